@@ -1,0 +1,24 @@
+"""Installs tf_gpipe: GPipe pipeline parallelism for TensorFlow 2, in the style of Lingvo."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name='tf_gpipe',
+    version='0.1.0',
+    description='GPipe pipeline parallelism for TensorFlow 2 (Lingvo-style params and layers).',
+    long_description=open('README.md', encoding='utf-8').read(),
+    long_description_content_type='text/markdown',
+    python_requires='>=3.10',
+    packages=find_packages(include=['tf_gpipe', 'tf_gpipe.*']),
+    install_requires=[
+        'tensorflow>=2.16',
+        'keras>=3',
+        'tensorflow-datasets',
+        'absl-py',
+        'numpy',
+    ],
+    extras_require={
+        'test': ['pytest', 'ruff'],
+        'plot': ['matplotlib'],
+    },
+)

@@ -1,0 +1,137 @@
+"""Multi-head dot-product attention with padding, causal and packed-segment masks."""
+
+import math
+
+import tensorflow as tf
+
+from tf_gpipe import base_layer
+from tf_gpipe.layers import dropout
+
+_NEG_INF = -1e9
+
+
+def attention_bias(
+    query_len,
+    source_len,
+    source_paddings=None,
+    causal=False,
+    query_segment_ids=None,
+    source_segment_ids=None,
+):
+    """Additive logits bias [B or 1, 1, T, S]: 0 where attending is allowed, -1e9 elsewhere.
+
+    source_paddings [B, S] is 1.0 at padded positions. Packed sequences give segment ids
+    [B, T] / [B, S]; a query attends only to keys of its own segment.
+    """
+    allowed = tf.ones([1, 1, query_len, source_len], tf.bool)
+    if source_paddings is not None:
+        keep = tf.cast(source_paddings, tf.float32) < 0.5
+        allowed = tf.logical_and(allowed, keep[:, tf.newaxis, tf.newaxis, :])
+    if causal:
+        lower = tf.linalg.band_part(tf.ones([query_len, source_len]), -1, 0) > 0.5
+        allowed = tf.logical_and(allowed, lower[tf.newaxis, tf.newaxis])
+    if query_segment_ids is not None:
+        same = tf.equal(query_segment_ids[:, :, tf.newaxis], source_segment_ids[:, tf.newaxis, :])
+        allowed = tf.logical_and(allowed, same[:, tf.newaxis])
+    return tf.where(allowed, 0.0, _NEG_INF)
+
+
+class MultiHeadAttention(base_layer.BaseLayer):
+    """Projects query/key/value into num_heads heads, attends, projects back to input_dim."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('input_dim', 0, 'Model dimension of queries, keys and values.')
+        p.Define('num_heads', 1, 'Number of heads.')
+        p.Define('hidden_dim', 0, 'Total projection size over heads; 0 means input_dim.')
+        p.Define('causal', False, 'Self-attention may only look at earlier positions.')
+        p.Define('atten_dropout_prob', 0.0, 'Dropout on the attention probabilities.')
+        p.Define('bias', True, 'Biases on the projections.')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.params
+        base_layer.check_positive(p, 'input_dim', 'num_heads')
+        hidden = p.hidden_dim or p.input_dim
+        if hidden % p.num_heads:
+            raise ValueError(
+                f'MultiHeadAttention {p.name!r}: hidden_dim {hidden} is not '
+                f'divisible by num_heads {p.num_heads}.'
+            )
+        zeros = base_layer.WeightInit.Constant(0.0)
+        for name in ('query', 'key', 'value'):
+            self.CreateVariable(f'w_{name}', [p.input_dim, hidden])
+            if p.bias:
+                self.CreateVariable(f'b_{name}', [hidden], init=zeros)
+        self.CreateVariable('w_post', [hidden, p.input_dim])
+        if p.bias:
+            self.CreateVariable('b_post', [p.input_dim], init=zeros)
+        self.CreateChild(
+            'atten_dropout',
+            dropout.DropoutLayer.Params().Set(
+                name='atten_dropout', keep_prob=1.0 - p.atten_dropout_prob
+            ),
+        )
+
+    def _Project(self, x, name):
+        p = self.params
+        y = tf.einsum('btd,dh->bth', x, self.CastToFPropDtype(self.vars[f'w_{name}']))
+        if p.bias:
+            y += self.CastToFPropDtype(self.vars[f'b_{name}'])
+        b, t = tf.shape(y)[0], tf.shape(y)[1]
+        return tf.reshape(y, [b, t, p.num_heads, -1])
+
+    def FProp(
+        self,
+        query_vecs,
+        source_vecs=None,
+        source_paddings=None,
+        query_segment_ids=None,
+        source_segment_ids=None,
+    ):
+        """query_vecs [B, T, D]; source_vecs [B, S, D] (None: self-attention) -> [B, T, D]."""
+        p = self.params
+        self_attention = source_vecs is None
+        query_vecs = tf.cast(query_vecs, self.fprop_dtype)
+        source_vecs = query_vecs if self_attention else tf.cast(source_vecs, self.fprop_dtype)
+        if self_attention and source_segment_ids is None:
+            source_segment_ids = query_segment_ids
+        q = self._Project(query_vecs, 'query')
+        k = self._Project(source_vecs, 'key')
+        v = self._Project(source_vecs, 'value')
+        depth = q.shape[-1]
+        logits = tf.einsum('btnh,bsnh->bnts', q, k) / tf.cast(math.sqrt(depth), q.dtype)
+        bias = attention_bias(
+            tf.shape(q)[1],
+            tf.shape(k)[1],
+            source_paddings,
+            p.causal and self_attention,
+            query_segment_ids,
+            source_segment_ids,
+        )
+        probs = tf.nn.softmax(tf.cast(logits, tf.float32) + bias, axis=-1)
+        probs = self.atten_dropout.FProp(tf.cast(probs, self.fprop_dtype))
+        context = tf.einsum('bnts,bsnh->btnh', probs, v)
+        b, t = tf.shape(context)[0], tf.shape(context)[1]
+        context = tf.reshape(context, [b, t, -1])
+        out = tf.einsum('bth,hd->btd', context, self.CastToFPropDtype(self.vars.w_post))
+        if p.bias:
+            out += self.CastToFPropDtype(self.vars.b_post)
+        return out
+
+    @classmethod
+    def FPropMeta(cls, p, query_shape, source_shape=None):
+        query_shape = base_layer.to_shape(query_shape)
+        source_shape = base_layer.to_shape(source_shape or query_shape)
+        b, t, d = query_shape.as_list()
+        s = source_shape[1]
+        hidden = p.hidden_dim or p.input_dim
+        flops = 2 * b * (t + 2 * s) * d * hidden  # q, k, v projections
+        flops += 2 * 2 * b * t * s * hidden  # logits and context
+        flops += 2 * b * t * hidden * d  # output projection
+        params = 4 * d * hidden + (3 * hidden + d if p.bias else 0)
+        elems = b * (t + 2 * s) * hidden + 2 * b * p.num_heads * t * s + b * t * (hidden + d)
+        act_bytes = elems * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
+        return base_layer.Meta(flops, query_shape, params, act_bytes)

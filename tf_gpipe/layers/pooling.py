@@ -1,0 +1,76 @@
+"""Spatial pooling (max / average windows) and global pooling on NHWC inputs."""
+
+import tensorflow as tf
+
+from tf_gpipe import base_layer
+from tf_gpipe.layers import conv
+
+_TYPES = ('MAX', 'AVG')
+
+
+def _check_type(p):
+    if p.pooling_type not in _TYPES:
+        raise ValueError(
+            f'{p.cls.__name__} {p.name!r}: pooling_type must be one of {_TYPES}, '
+            f'got {p.pooling_type!r}.'
+        )
+
+
+class PoolingLayer(base_layer.BaseLayer):
+    """Max or average pooling over (height, width) windows."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('pooling_type', 'MAX', "'MAX' or 'AVG'.")
+        p.Define('window_shape', (2, 2), 'Window (height, width).')
+        p.Define('window_stride', (2, 2), 'Stride (height, width).')
+        p.Define('padding', 'SAME', "'SAME' or 'VALID'.")
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        _check_type(self.params)
+        conv.check_padding(self.params)
+
+    def FProp(self, inputs):
+        p = self.params
+        x = tf.cast(inputs, self.fprop_dtype)
+        return tf.nn.pool(
+            x, p.window_shape, p.pooling_type, strides=p.window_stride, padding=p.padding
+        )
+
+    @classmethod
+    def FPropMeta(cls, p, inputs):
+        n, h, w, c = base_layer.to_shape(inputs).as_list()
+        oh = conv.conv_output_size(h, p.window_shape[0], p.window_stride[0], p.padding)
+        ow = conv.conv_output_size(w, p.window_shape[1], p.window_stride[1], p.padding)
+        outputs = n * oh * ow * c
+        flops = outputs * p.window_shape[0] * p.window_shape[1]
+        act_bytes = outputs * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
+        return base_layer.Meta(flops, tf.TensorShape([n, oh, ow, c]), 0, act_bytes)
+
+
+class GlobalPoolingLayer(base_layer.BaseLayer):
+    """Max or average over height and width: [N, H, W, C] -> [N, C]."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('pooling_type', 'AVG', "'MAX' or 'AVG'.")
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        _check_type(self.params)
+
+    def FProp(self, inputs):
+        x = tf.cast(inputs, self.fprop_dtype)
+        reduce = tf.reduce_max if self.params.pooling_type == 'MAX' else tf.reduce_mean
+        return reduce(x, axis=[1, 2])
+
+    @classmethod
+    def FPropMeta(cls, p, inputs):
+        n, h, w, c = base_layer.to_shape(inputs).as_list()
+        act_bytes = n * c * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
+        return base_layer.Meta(n * h * w * c, tf.TensorShape([n, c]), 0, act_bytes)
