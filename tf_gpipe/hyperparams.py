@@ -447,10 +447,7 @@ def _decode(text, current, path):
         except (SyntaxError, ValueError, TypeError):
             if current is None or isinstance(current, str):
                 return text  # An unquoted word for a string field.
-            raise ValueError(
-                f"Parameter '{path}': cannot parse {text!r} as a "
-                f'{type(current).__name__} (current value {current!r}).'
-            ) from None
+            raise _type_error(path, current, text) from None
     return _check_type(value, current, path, text)
 
 
@@ -481,11 +478,17 @@ def _check_type(value, current, path, text):
     else:
         ok = True
     if not ok:
-        raise ValueError(
-            f"Parameter '{path}' expects a {type(current).__name__} (current value "
-            f'{_encode_or_repr(current)}), got {text!r}.'
-        )
+        raise _type_error(path, current, text)
     return value
+
+
+def _type_error(path, current, text):
+    kind = type(current).__name__
+    article = 'an' if kind[0] in 'aeiou' else 'a'
+    return ValueError(
+        f"Parameter '{path}' expects {article} {kind} (current value "
+        f'{_encode_or_repr(current)}), got {text!r}.'
+    )
 
 
 def _encode_or_repr(value):

@@ -81,8 +81,7 @@ class NestedMap(dict):
 
     def FlattenItems(self):
         """(dotted path, leaf) pairs in the order of Flatten()."""
-        paths = tf.nest.flatten_with_joined_string_paths(self, separator='.')
-        return [(p, v) for p, v in paths]
+        return list(_items_with_paths(self, ''))
 
     def Pack(self, leaves):
         """A NestedMap of this structure whose leaves are `leaves` (as from Flatten())."""
@@ -111,3 +110,16 @@ class NestedMap(dict):
         except (ValueError, TypeError):
             return False
         return True
+
+
+def _items_with_paths(value, prefix):
+    """(dotted path, leaf) in tf.nest's order: dict keys sorted, sequences in order."""
+    if isinstance(value, dict):
+        items = ((k, value[k]) for k in sorted(value))
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        yield prefix, value
+        return
+    for key, item in items:
+        yield from _items_with_paths(item, f'{prefix}.{key}' if prefix else str(key))
