@@ -35,7 +35,7 @@ class FCLayer(base_layer.BaseLayer):
                 f'{p.input_dim} (input shape {inputs.shape}).'
             )
         x = tf.cast(inputs, self.fprop_dtype)
-        y = tf.einsum('...i,io->...o', x, self.CastToFPropDtype(self.vars.w))
+        y = tf.tensordot(x, self.CastToFPropDtype(self.vars.w), axes=1)
         if p.bias:
             y += self.CastToFPropDtype(self.vars.b)
         return activations.get(p.activation)(y)

@@ -30,7 +30,7 @@ class SoftmaxLayer(base_layer.BaseLayer):
 
     def FProp(self, inputs):
         x = tf.cast(inputs, self.fprop_dtype)
-        logits = tf.einsum('...i,ic->...c', x, self.CastToFPropDtype(self.vars.w))
+        logits = tf.tensordot(x, self.CastToFPropDtype(self.vars.w), axes=1)
         if self.params.bias:
             logits += self.CastToFPropDtype(self.vars.b)
         return logits

@@ -1,0 +1,128 @@
+"""Devices for the pipeline: logical CPUs, local GPUs, and the mesh a PipelinedLayer uses."""
+
+import contextlib
+import difflib
+
+import numpy as np
+import tensorflow as tf
+
+
+def logical_cpus(n):
+    """Splits the CPU into n logical devices; returns their names. Call before TF initialises.
+
+    Idempotent: calling it again with the same n is fine. A different n after TF has
+    initialised raises (TF fixes its devices once), naming what to do.
+    """
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f'logical_cpus needs a positive int, got {n!r}.')
+    cpu = tf.config.list_physical_devices('CPU')[0]
+    current = tf.config.get_logical_device_configuration(cpu)
+    if current is not None and len(current) == n:
+        return [d.name for d in tf.config.list_logical_devices('CPU')]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
+        )
+    except RuntimeError as e:
+        have = len(tf.config.list_logical_devices('CPU'))
+        if have == n:
+            return [d.name for d in tf.config.list_logical_devices('CPU')]
+        raise RuntimeError(
+            f'TensorFlow is already initialised with {have} logical CPU device(s), so it cannot '
+            f'be split into {n}. Call cluster.logical_cpus({n}) before anything else touches '
+            'TensorFlow (first thing in main, or in a pytest conftest).'
+        ) from e
+    return [d.name for d in tf.config.list_logical_devices('CPU')]
+
+
+def local_devices():
+    """Local accelerators if there are any (GPUs, then TPUs), else the logical CPUs."""
+    for kind in ('GPU', 'TPU'):
+        found = tf.config.list_logical_devices(kind)
+        if found:
+            return [d.name for d in found]
+    return [d.name for d in tf.config.list_logical_devices('CPU')]
+
+
+class DeviceMesh:
+    """Device names arranged as [replicas, stages]."""
+
+    def __init__(self, devices):
+        self.devices = np.array(devices, dtype=object)
+        if self.devices.ndim != 2 or self.devices.size == 0:
+            raise ValueError('DeviceMesh needs a non-empty [replicas, stages] array of names.')
+
+    @property
+    def shape(self):
+        return self.devices.shape
+
+    @property
+    def num_replicas(self):
+        return self.devices.shape[0]
+
+    @property
+    def num_stages(self):
+        return self.devices.shape[1]
+
+    def stage_devices(self, num_stages, replica=0):
+        """The first `num_stages` devices of a replica's row; a clear error if too few."""
+        row = list(self.devices[replica])
+        if num_stages > len(row):
+            raise ValueError(
+                f'The pipeline has {num_stages} cells but the device mesh offers only '
+                f'{len(row)} device(s) per replica ({", ".join(row)}). Pass devices=[...] with '
+                f'{num_stages} names, or create more devices: cluster.logical_cpus({num_stages}) '
+                'before TF initialises (CPU), or virtual GPUs.'
+            )
+        return row[:num_stages]
+
+    def __str__(self):
+        rows = [f'  replica {r}: ' + ', '.join(self.devices[r]) for r in range(self.num_replicas)]
+        return (
+            f'DeviceMesh [{self.num_replicas} replicas x {self.num_stages} stages]\n'
+            + '\n'.join(rows)
+        )
+
+
+_mesh_stack = []
+
+
+def current_mesh():
+    """The innermost mesh of `use_mesh`, else one replica over all local devices."""
+    if _mesh_stack:
+        return _mesh_stack[-1]
+    return DeviceMesh([local_devices()])
+
+
+@contextlib.contextmanager
+def use_mesh(mesh):
+    """Makes `mesh` the one PipelinedLayers built inside use (when their devices is None)."""
+    _mesh_stack.append(mesh)
+    try:
+        yield mesh
+    finally:
+        _mesh_stack.pop()
+
+
+def check_device_names(names):
+    """Canonical names for `names`; an unknown local device raises naming the known ones."""
+    known = {d.name for d in tf.config.list_logical_devices()}
+    out = []
+    for name in names:
+        spec = tf.DeviceSpec.from_string(name)
+        if spec.job not in (None, 'localhost'):
+            out.append(spec.to_string())  # A remote device: checked by TF when it is used.
+            continue
+        if spec.device_type is None:
+            raise ValueError(f"Device name {name!r} has no device type (e.g. '/device:CPU:0').")
+        local = f'/device:{spec.device_type.upper()}:{spec.device_index or 0}'
+        match = [k for k in known if k.endswith(local)]
+        if not match:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ''
+            raise ValueError(
+                f'Unknown device {name!r}{hint}. This process has: {", ".join(sorted(known))}. '
+                'For more CPU devices call cluster.logical_cpus(n) before TF initialises.'
+            )
+        out.append(match[0])
+    return out

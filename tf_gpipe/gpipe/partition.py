@@ -1,0 +1,157 @@
+"""Cut a layer sequence into K contiguous cells of balanced cost.
+
+Costs per layer come from FPropMeta (flops, params, activation bytes), a uniform count, or
+measured time. The split minimises the largest cell cost exactly (dynamic programming over
+contiguous blocks), and never leaves a cell empty.
+"""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gpipe import fprop_context
+
+PARTITION_BY = ('flops', 'params', 'activation_bytes', 'uniform', 'time')
+_META_FIELD = {'flops': 'flops', 'params': 'param_count', 'activation_bytes': 'activation_bytes'}
+
+
+def layer_metas(sub, input_shape):
+    """FPropMeta of each layer of `sub`, fed the previous layer's output shapes."""
+    shapes = (
+        input_shape
+        if isinstance(input_shape, tuple) and _is_shape_tuple(input_shape)
+        else (input_shape,)
+    )
+    metas = []
+    for p in sub:
+        try:
+            meta = p.cls.FPropMeta(p, *shapes)
+        except NotImplementedError as e:
+            raise ValueError(
+                f'Layer {p.name!r} ({p.cls.__name__}) has no FPropMeta, so it cannot be '
+                "partitioned by cost; use partition_by='uniform' or 'time', or explicit splits."
+            ) from e
+        metas.append(meta)
+        shapes = meta.out_shapes
+    return metas
+
+
+def _is_shape_tuple(value):
+    """A tuple of several input shapes (not one shape written as a tuple of ints)."""
+    return bool(value) and all(not isinstance(v, (int, type(None))) for v in value)
+
+
+def layer_costs(sub, partition_by, input_shape=None, input_dtype=tf.float32):
+    """One non-negative cost per layer of `sub`."""
+    if partition_by not in PARTITION_BY:
+        raise ValueError(f'partition_by must be one of {PARTITION_BY}, got {partition_by!r}.')
+    if partition_by == 'uniform':
+        return [1.0] * len(sub)
+    if input_shape is None:
+        raise ValueError(
+            f"partition_by='{partition_by}' needs the input shape: set input_shape (the batch "
+            "shape the pipeline receives), or use partition_by='uniform' or explicit splits."
+        )
+    if partition_by == 'time':
+        return measure_times(sub, input_shape, input_dtype)
+    return [float(getattr(m, _META_FIELD[partition_by])) for m in layer_metas(sub, input_shape)]
+
+
+def measure_times(sub, input_shape, input_dtype=tf.float32, repeats=3):
+    """Seconds per layer of a forward + backward on zeros of `input_shape` (median of repeats)."""
+    x = tf.zeros(input_shape, input_dtype)
+    args = (x,)
+    costs = []
+    with fprop_context.scope(step=0):
+        for p in sub:
+            layer = p.Instantiate()
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                with tf.GradientTape() as tape:
+                    tape.watch([a for a in tf.nest.flatten(args) if a.dtype.is_floating])
+                    out = layer.FProp(*args)
+                floats = [o for o in tf.nest.flatten(out) if o.dtype.is_floating]
+                if layer.trainable_variables and floats:
+                    tape.gradient(floats, layer.trainable_variables)
+                times.append(time.perf_counter() - start)
+            costs.append(float(np.median(times)))
+            args = out if isinstance(out, tuple) else (out,)
+    return costs
+
+
+def balance(costs, num_partitions):
+    """Ending indices of K contiguous blocks minimising the largest block cost (exact)."""
+    n = len(costs)
+    if not isinstance(num_partitions, int) or num_partitions < 1:
+        raise ValueError(f'num_partitions must be a positive int, got {num_partitions!r}.')
+    if num_partitions > n:
+        raise ValueError(
+            f'num_partitions={num_partitions} is larger than the number of layers ({n}): every '
+            f'cell needs at least one layer. Use num_partitions <= {n}.'
+        )
+    prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)])
+    inf = float('inf')
+    # best[k][i]: the smallest possible max-cost of splitting layers [0, i) into k blocks.
+    best = np.full((num_partitions + 1, n + 1), inf)
+    choice = np.zeros((num_partitions + 1, n + 1), dtype=np.int64)
+    best[0][0] = 0.0
+    for k in range(1, num_partitions + 1):
+        for i in range(k, n - (num_partitions - k) + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i] - 1e-12:
+                    best[k][i], choice[k][i] = value, j
+    splits, i = [], n
+    for k in range(num_partitions, 0, -1):
+        splits.append(i)
+        i = choice[k][i]
+    return sorted(splits)
+
+
+def check_splits(splits, num_layers):
+    """Validates explicit ending indices (Lingvo's `splits`)."""
+    if not splits or list(splits) != sorted(set(splits)) or splits[0] <= 0:
+        raise ValueError(
+            f'splits must be strictly increasing positive ending indices, got {splits!r}.'
+        )
+    if splits[-1] != num_layers:
+        raise ValueError(
+            f'The last split must be the number of layers ({num_layers}), got {splits!r}.'
+        )
+    return list(splits)
+
+
+def blocks(splits):
+    """[(start, end)] of each cell for ending indices `splits`."""
+    starts = [0] + list(splits[:-1])
+    return list(zip(starts, splits))
+
+
+def partition_table(sub, splits, devices=None, input_shape=None):
+    """A printable table: cell, layers, params, flops, activation bytes, device."""
+    metas = None
+    if input_shape is not None:
+        try:
+            metas = layer_metas(sub, input_shape)
+        except (ValueError, NotImplementedError):
+            metas = None
+    rows = [('cell', 'layers', 'params', 'flops', 'act bytes', 'device')]
+    for k, (a, b) in enumerate(blocks(splits)):
+        names = sub[a].name if b - a == 1 else f'{sub[a].name} .. {sub[b - 1].name}'
+        label = f'{names} ({b - a})'
+        if metas:
+            block = metas[a:b]
+            stats = [
+                f'{sum(m.param_count for m in block):,}',
+                f'{sum(m.flops for m in block):,}',
+                f'{sum(m.activation_bytes for m in block):,}',
+            ]
+        else:
+            stats = ['?', '?', '?']
+        rows.append((str(k), label, *stats, devices[k] if devices else '-'))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, '  '.join('-' * w for w in widths))
+    return '\n'.join(lines)

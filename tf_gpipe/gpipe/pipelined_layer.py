@@ -1,0 +1,300 @@
+"""PipelinedLayer: K cells on K devices, M micro-batches, recompute, gradient accumulation.
+
+In training, FProp is one custom-gradient op over the whole pipeline. Its forward runs GPipe's
+forward wave and keeps, per cell and micro-batch, only the cell's boundary input. Its gradient
+runs the backward wave: each cell re-runs its forward from that input (recompute) and returns
+d_input for the previous cell and d_variables, summed over micro-batches on the cell's device.
+So `tape.gradient(loss, pipe.trainable_variables)` is exactly the gradient of the plain layer
+sequence applied micro-batch by micro-batch (for layers that do not mix examples — all but
+batch norm — that is the full-batch gradient).
+"""
+
+import tensorflow as tf
+
+from tf_gpipe import base_layer, cluster, fprop_context
+from tf_gpipe.gpipe import microbatch, partition, schedule
+from tf_gpipe.gpipe.recompute import CellRunner
+from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
+
+try:  # Pauses every active tape (public equivalent: none for all tapes at once).
+    from tensorflow.python.eager.record import stop_recording as _stop_recording
+except ImportError:  # Older TF.
+    from tensorflow.python.eager.tape import stop_recording as _stop_recording
+
+RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
+
+
+class PipelinedLayer(base_layer.BaseLayer):
+    """GPipe: a layer sequence cut into K cells on K devices, fed M micro-batches."""
+
+    _SEED_CONTAINER = True
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('cell_tpl', None, 'List of K cell params (usually SequentialLayers); or use sub.')
+        p.Define('sub', None, 'Flat list of layer params, cut into num_partitions cells.')
+        p.Define('num_partitions', 1, 'K, the number of cells when sub is given.')
+        p.Define('partition_by', 'flops', f'Cost for balancing sub: {partition.PARTITION_BY}.')
+        p.Define('splits', None, 'Explicit ending layer indices of the cells (overrides K).')
+        p.Define('input_shape', None, 'Batch input shape, for partition_by flops/params/...')
+        p.Define('input_dtype', tf.float32, "Input dtype, for partition_by='time'.")
+        p.Define('num_micro_batches', 1, 'M: micro-batches per batch (must divide the batch).')
+        p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
+        p.Define('recompute', 'except_last', f'Re-materialisation policy: {RECOMPUTE_POLICIES}.')
+        p.Define('devices', None, 'K device names; None: the first K of cluster.current_mesh().')
+        p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.params
+        if p.recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {p.recompute!r}.')
+        base_layer.check_positive(p, 'num_micro_batches')
+        cell_params, self._splits, self._sub = self._CellParams(p)
+        k = len(cell_params)
+        if p.devices is None:
+            devices = cluster.current_mesh().stage_devices(k)
+        else:
+            if len(p.devices) < k:
+                raise ValueError(
+                    f'{p.name}: {k} cells need {k} devices, got {len(p.devices)}: {p.devices}.'
+                )
+            devices = list(p.devices[:k])
+        self._devices = cluster.check_device_names(devices)
+        self._cells = []
+        for i, (cp, device) in enumerate(zip(cell_params, self._devices)):
+            with tf.device(device):
+                self._cells.append(self.CreateChild(f'cell{i}', cp))
+        self._runners = [
+            CellRunner(cell, dev, i, p.jit_compile)
+            for i, (cell, dev) in enumerate(zip(self._cells, self._devices))
+        ]
+        with tf.device(self._devices[0]):
+            self.CreateVariable(
+                'step', [], init=base_layer.WeightInit.Constant(0), dtype=tf.int64, trainable=False
+            )
+
+    @staticmethod
+    def _CellParams(p):
+        """(cell params, splits or None, flat sub or None)."""
+        if (p.cell_tpl is None) == (p.sub is None):
+            raise ValueError(
+                f'{p.name}: set exactly one of cell_tpl (a list of cell params) and '
+                'sub (a list of layer params to partition).'
+            )
+        if p.cell_tpl is not None:
+            if not p.cell_tpl:
+                raise ValueError(f'{p.name}: cell_tpl is empty.')
+            return (
+                [c.Copy().Set(name=c.name or f'cell{i}') for i, c in enumerate(p.cell_tpl)],
+                (None),
+                None,
+            )
+        sub = list(p.sub)
+        if not sub:
+            raise ValueError(f'{p.name}: sub is empty.')
+        if p.splits is not None:
+            splits = partition.check_splits(list(p.splits), len(sub))
+        else:
+            costs = partition.layer_costs(sub, p.partition_by, p.input_shape, p.input_dtype)
+            splits = partition.balance(costs, p.num_partitions)
+        cells = [
+            SequentialLayer.Params().Set(name=f'cell{i}', sub=[q.Copy() for q in sub[a:b]])
+            for i, (a, b) in enumerate(partition.blocks(splits))
+        ]
+        return cells, splits, sub
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    @property
+    def num_cells(self):
+        return len(self._cells)
+
+    @property
+    def cells(self):
+        return list(self._cells)
+
+    @property
+    def devices(self):
+        return list(self._devices)
+
+    @property
+    def splits(self):
+        """Ending layer indices of the cells (None when built from cell_tpl)."""
+        return self._splits
+
+    def PartitionTable(self):
+        """The cells as a table: layers, params, flops, activation bytes, device."""
+        p = self.params
+        if self._sub is not None:
+            return partition.partition_table(self._sub, self._splits, self._devices, p.input_shape)
+        sub = [c.params for c in self._cells]
+        return partition.partition_table(
+            sub, list(range(1, len(sub) + 1)), self._devices, p.input_shape
+        )
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def _Step(self):
+        ctx = fprop_context.current()
+        if ctx.step is not None:
+            return tf.cast(ctx.step, tf.int64)
+        if not ctx.training:
+            return tf.constant(0, tf.int64)
+        return self.vars.step.assign_add(1) - 1
+
+    def FProp(self, *inputs):
+        p = self.params
+        ctx = fprop_context.current()
+        step = self._Step()
+        if not ctx.training:
+            micro_inputs = microbatch.split(inputs, p.num_micro_batches, p.batch_dim)
+            return self._Unpack(self._Eval(micro_inputs, step))
+        microbatch.check_divisible(inputs, p.num_micro_batches, p.batch_dim)
+        flat_inputs = tf.nest.flatten(inputs)
+        out_structure = []
+
+        @tf.custom_gradient
+        def pipeline(*flat):
+            micro = microbatch.split(
+                tf.nest.pack_sequence_as(inputs, list(flat)), p.num_micro_batches, p.batch_dim
+            )
+            outputs, saved = self._ForwardWave(micro, step)
+            with tf.device(self._devices[-1]):
+                merged = microbatch.merge(outputs, p.batch_dim)
+            out_structure.append(merged)
+            flat_out = tf.nest.flatten(merged)
+
+            def grad(*dys, variables=None):
+                d_flat, var_grads = self._BackwardWave(saved, merged, dys, step, flat)
+                by_ref = {v.ref(): g for v, g in var_grads}
+                return d_flat, [by_ref.get(v.ref()) for v in variables or []]
+
+            return flat_out, grad
+
+        flat_out = pipeline(*flat_inputs)
+        return self._Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
+
+    @staticmethod
+    def _Unpack(outputs):
+        return outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
+
+    def _Policy(self, m):
+        """True when micro-batch m is recomputed in the backward pass."""
+        policy = self.params.recompute
+        last = m == self.params.num_micro_batches - 1
+        return policy == 'always' or (policy == 'except_last' and not last)
+
+    def _ForwardWave(self, micro_inputs, step):
+        """Runs the forward schedule; returns (outputs per micro-batch, what backward needs)."""
+        k_cells, m_count = self.num_cells, self.params.num_micro_batches
+        acts = {(0, m): micro_inputs[m] for m in range(m_count)}  # (cell, m) -> cell input
+        kept = {}
+        last_op = [None] * k_cells  # Each device runs its actions in schedule order.
+        for action in schedule.forward_schedule(k_cells, m_count):
+            k, m = action.stage, action.micro_batch
+            x = acts[(k, m)]
+            runner = self._runners[k]
+            with tf.device(runner.device), _after(last_op[k]):
+                mb = tf.constant(m, tf.int64)
+                if self._Policy(m):
+                    with _stop_recording():
+                        y = runner.Forward(x, step, mb)
+                else:
+                    y, kept[(k, m)] = runner.ForwardKeep(x, step, mb)
+            last_op[k] = y
+            acts[(k + 1, m)] = y
+        outputs = [self._Unpack(acts[(k_cells, m)]) for m in range(m_count)]
+        return outputs, (acts, kept, last_op)
+
+    def _BackwardWave(self, saved, merged, dys, step, flat_inputs):
+        p = self.params
+        acts, kept, last_op = saved
+        k_cells, m_count = self.num_cells, p.num_micro_batches
+        dys = [
+            tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
+            for y, dy in zip(tf.nest.flatten(merged), dys)
+        ]
+        with tf.device(self._devices[-1]):
+            d_out = microbatch.split(tf.nest.pack_sequence_as(merged, dys), m_count, p.batch_dim)
+        grads = {(k_cells, m): _as_tuple(d_out[m]) for m in range(m_count)}
+        var_sums = [None] * k_cells
+        for action in schedule.backward_schedule(k_cells, m_count):
+            k, m = action.stage, action.micro_batch
+            runner, x = self._runners[k], acts[(k, m)]
+            dy = grads.pop((k + 1, m))
+            with tf.device(runner.device), _after(last_op[k]):
+                if (k, m) in kept:
+                    d_x, d_vars = runner.BackwardKept(kept.pop((k, m)), dy)
+                else:
+                    d_x, d_vars = runner.Backward(x, dy, step, tf.constant(m, tf.int64))
+                # Accumulate d_variables over micro-batches on the cell's device.
+                if var_sums[k] is None:
+                    var_sums[k] = list(d_vars)
+                else:
+                    var_sums[k] = [a + b for a, b in zip(var_sums[k], d_vars)]
+            last_op[k] = d_x + var_sums[k] if (d_x or var_sums[k]) else last_op[k]
+            grads[(k, m)] = _pack_float_grads(x, d_x)
+        with tf.device(self._devices[0]):
+            d_inputs = microbatch.merge([grads[(0, m)] for m in range(m_count)], p.batch_dim)
+        d_flat = [
+            g if x.dtype.is_floating else None
+            for x, g in zip(flat_inputs, tf.nest.flatten(d_inputs))
+        ]
+        var_grads = []
+        for runner, sums in zip(self._runners, var_sums):
+            var_grads.extend(zip(runner.variables, sums))
+        return d_flat, var_grads
+
+    def _Eval(self, micro_inputs, step):
+        """Forward only, no tapes, still one device after another in schedule order."""
+        k_cells, m_count = self.num_cells, self.params.num_micro_batches
+        acts = {(0, m): micro_inputs[m] for m in range(m_count)}
+        last_op = [None] * k_cells
+        for action in schedule.forward_schedule(k_cells, m_count):
+            k, m = action.stage, action.micro_batch
+            runner = self._runners[k]
+            with tf.device(runner.device), _after(last_op[k]):
+                y = runner.Forward(acts[(k, m)], step, tf.constant(m, tf.int64), training=False)
+            last_op[k] = acts[(k + 1, m)] = y
+        with tf.device(self._devices[-1]):
+            return microbatch.merge(
+                [acts[(k_cells, m)] for m in range(m_count)], self.params.batch_dim
+            )
+
+    @classmethod
+    def FPropMeta(cls, p, *input_shapes):
+        cells, _, _ = cls._CellParams(p)
+        return chain_meta(cells, input_shapes)
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _pack_float_grads(inputs, float_grads):
+    """The structure of `inputs` with gradients at float leaves and None elsewhere."""
+    it = iter(float_grads)
+    leaves = [
+        next(it) if isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating else None
+        for x in tf.nest.flatten(inputs)
+    ]
+    return tf.nest.pack_sequence_as(inputs, leaves)
+
+
+def _after(previous):
+    """Control dependencies on the previous action of the same device (no-op when eager)."""
+    if previous is None or tf.executing_eagerly():
+        return _null()
+    deps = [t for t in tf.nest.flatten(previous) if isinstance(t, tf.Tensor)]
+    return tf.control_dependencies(deps)
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

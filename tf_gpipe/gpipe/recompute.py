@@ -1,0 +1,123 @@
+"""One cell on one device: its forward, and its backward by re-running the forward.
+
+Both are separate, non-inlined TF function calls placed on the cell's device:
+
+- the forward call returns only the cell's outputs, so the activations inside the cell die
+  with the call;
+- the backward call takes the saved boundary input *and the incoming gradient*, re-runs the
+  forward under a tape and returns (d_input, d_variables). Because the incoming gradient is one
+  of its inputs, the executor cannot start a recompute before the backward wave reaches the
+  cell, and no graph rewrite can merge it with the forward call (different op, different
+  inputs) or keep its activations alive past it. This is what bounds the peak memory, with
+  Grappler left on for the rest of the user's program.
+"""
+
+import tensorflow as tf
+
+from tf_gpipe import fprop_context
+
+# Keeps Grappler's function optimizer from inlining the calls (inlining would let common
+# subexpression elimination fold a recompute into its forward, and the executor run it early).
+_NOINLINE = {'_noinline': True}
+
+
+def _is_float(x):
+    return isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating
+
+
+def as_tuple(outputs):
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+class CellRunner:
+    """Runs cell `k` of a pipeline on its device, as forward / recompute-backward calls."""
+
+    def __init__(self, cell, device, index, jit_compile=False):
+        self.cell = cell
+        self.device = device
+        self.index = index
+        self._variables = None
+        jit = True if jit_compile else None
+        self._forward = tf.function(
+            self._Forward, jit_compile=jit, experimental_attributes=_NOINLINE, reduce_retracing=True
+        )
+        self._backward = tf.function(
+            self._Backward,
+            jit_compile=jit,
+            experimental_attributes=_NOINLINE,
+            reduce_retracing=True,
+        )
+
+    @property
+    def variables(self):
+        """The cell's trainable variables, in a fixed order."""
+        if self._variables is None:
+            self._variables = list(self.cell.trainable_variables)
+        return self._variables
+
+    def _Run(self, inputs):
+        try:
+            return as_tuple(self.cell.FProp(*inputs))
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            structure = tf.nest.map_structure(lambda t: getattr(t, 'shape', t), inputs)
+            raise type(e)(
+                f'Cell {self.index} ({self.cell.layer_name}) cannot take its input {structure}: {e}'
+            ) from e
+
+    def _Forward(self, inputs, step, micro_batch, training, recompute):
+        with (
+            tf.device(self.device),
+            fprop_context.scope(
+                training=training, step=step, seed_offset=micro_batch, recompute=recompute
+            ),
+        ):
+            return self._Run(inputs)
+
+    def _Backward(self, inputs, output_grads, step, micro_batch):
+        with (
+            tf.device(self.device),
+            fprop_context.scope(training=True, step=step, seed_offset=micro_batch, recompute=True),
+        ):
+            with tf.GradientTape() as tape:
+                sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
+                tape.watch(sources)
+                outputs = self._Run(inputs)
+            return self._Gradients(tape, sources, outputs, output_grads)
+
+    def _Gradients(self, tape, sources, outputs, output_grads):
+        targets, grads = [], []
+        for y, dy in zip(tf.nest.flatten(outputs), tf.nest.flatten(output_grads)):
+            if _is_float(y) and dy is not None:
+                targets.append(y)
+                grads.append(tf.cast(dy, y.dtype))
+        all_grads = tape.gradient(
+            targets,
+            sources + self.variables,
+            output_gradients=grads,
+            unconnected_gradients=tf.UnconnectedGradients.ZERO,
+        )
+        all_grads = [tf.convert_to_tensor(g) for g in all_grads]  # IndexedSlices -> dense
+        return all_grads[: len(sources)], all_grads[len(sources) :]
+
+    def Forward(self, inputs, step, micro_batch, training=True, recompute=False):
+        """The cell's outputs (a tuple) for one micro-batch; no activations are kept."""
+        return self._forward(inputs, step, micro_batch, training, recompute)
+
+    def ForwardKeep(self, inputs, step, micro_batch):
+        """Forward whose activations are kept on a tape for `BackwardKept` (no recompute)."""
+        tape = tf.GradientTape()
+        with tape:
+            sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
+            tape.watch(sources)
+            outputs = self._forward(inputs, step, micro_batch, True, False)
+        return outputs, (tape, sources, outputs)
+
+    def BackwardKept(self, kept, output_grads):
+        """(d_float_inputs, d_variables) from a ForwardKeep's tape."""
+        tape, sources, outputs = kept
+        with tf.device(self.device):
+            return self._Gradients(tape, sources, outputs, output_grads)
+
+    def Backward(self, inputs, output_grads, step, micro_batch):
+        """(d_float_inputs, d_variables) by recomputing the forward from the boundary input."""
+        return self._backward(inputs, output_grads, step, micro_batch)
