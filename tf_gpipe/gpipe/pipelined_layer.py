@@ -9,6 +9,8 @@ sequence applied micro-batch by micro-batch (for layers that do not mix examples
 batch norm — that is the full-batch gradient).
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_gpipe import base_layer, cluster, fprop_context
@@ -287,14 +289,6 @@ def _pack_float_grads(inputs, float_grads):
 def _after(previous):
     """Control dependencies on the previous action of the same device (no-op when eager)."""
     if previous is None or tf.executing_eagerly():
-        return _null()
+        return contextlib.nullcontext()
     deps = [t for t in tf.nest.flatten(previous) if isinstance(t, tf.Tensor)]
     return tf.control_dependencies(deps)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
