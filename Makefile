@@ -16,11 +16,12 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-# Lint, then the whole suite. pytest's exit 5 (no tests collected) is a failure.
+# Lint, then the whole suite on 2 workers (TF's C++ start-up chatter silenced, output unbuffered
+# so pytest's summary is the last line). pytest's exit 5 (no tests collected) is a failure.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests; rc=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q -n 2 tests; rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo 'pytest collected no tests: failing'; exit 1; fi; exit $$rc
 
 format: $(STAMP)

@@ -18,7 +18,7 @@ setup(
         'numpy',
     ],
     extras_require={
-        'test': ['pytest', 'ruff'],
+        'test': ['pytest', 'pytest-xdist', 'ruff'],
         'plot': ['matplotlib'],
     },
 )

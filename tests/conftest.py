@@ -8,3 +8,4 @@ import tensorflow as tf  # noqa: E402
 
 _cpus = tf.config.list_physical_devices('CPU')
 tf.config.set_logical_device_configuration(_cpus[0], [tf.config.LogicalDeviceConfiguration()] * 4)
+tf.get_logger().setLevel('ERROR')  # retracing notes from the many small pipelines tests build

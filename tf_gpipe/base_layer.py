@@ -120,6 +120,18 @@ class BaseLayer(tf.Module):
     # names, so a layer gets the same initial weights in a plain sequence and in a pipeline cell.
     _SEED_CONTAINER = False
 
+    # FProp is plain TF code (no Python control flow on tensors), so tf.function need not run
+    # AutoGraph over it: converting a deep model costs seconds per trace. A subclass whose FProp
+    # branches on tensor values sets this to True.
+    _AUTOGRAPH = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls._AUTOGRAPH:
+            for name in ('FProp', 'PostTrainingStepUpdate'):
+                if name in cls.__dict__:
+                    setattr(cls, name, tf.autograph.experimental.do_not_convert(cls.__dict__[name]))
+
     @classmethod
     def Params(cls):
         p = hyperparams.InstantiableParams(cls)

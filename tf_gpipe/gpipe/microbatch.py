@@ -57,7 +57,14 @@ def split(structure, num_micro_batches, batch_dim=0):
 
 
 def merge(micro_batches, batch_dim=0):
-    """Inverse of split: concatenates the leaves of the micro-batch structures in order."""
+    """Inverse of split: concatenates the leaves of the micro-batch structures in order.
+
+    None leaves (no gradient, e.g. for integer inputs) stay None.
+    """
     if len(micro_batches) == 1:
         return micro_batches[0]
-    return tf.nest.map_structure(lambda *xs: tf.concat(xs, axis=batch_dim), *micro_batches)
+
+    def concat(*xs):
+        return None if xs[0] is None else tf.concat(xs, axis=batch_dim)
+
+    return tf.nest.map_structure(concat, *micro_batches)

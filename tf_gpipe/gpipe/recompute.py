@@ -38,15 +38,9 @@ class CellRunner:
         self.index = index
         self._variables = None
         jit = True if jit_compile else None
-        self._forward = tf.function(
-            self._Forward, jit_compile=jit, experimental_attributes=_NOINLINE, reduce_retracing=True
-        )
-        self._backward = tf.function(
-            self._Backward,
-            jit_compile=jit,
-            experimental_attributes=_NOINLINE,
-            reduce_retracing=True,
-        )
+        options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
+        self._forward = tf.function(self._Forward, **options)
+        self._backward = tf.function(self._Backward, **options)
 
     @property
     def variables(self):

@@ -1,0 +1,76 @@
+"""Partitioner: exact balance (against brute force), costs from FPropMeta, errors, table."""
+
+import itertools
+import random
+
+import pytest
+
+from tf_gpipe import layers
+from tf_gpipe.gpipe import partition
+
+
+def _brute_force(costs, k):
+    n = len(costs)
+    best = None
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        ends = list(cuts) + [n]
+        starts = [0] + list(cuts)
+        worst = max(sum(costs[a:b]) for a, b in zip(starts, ends))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+@pytest.mark.parametrize('seed', range(12))
+def test_balance_is_optimal(seed):
+
+    rng = random.Random(seed)
+    n = rng.randint(1, 9)
+    k = rng.randint(1, n)
+    costs = [rng.choice([0.0, 1.0, 2.0, 5.0, 13.0]) for _ in range(n)]
+    splits = partition.balance(costs, k)
+    assert len(splits) == k and splits[-1] == n
+    blocks = partition.blocks(splits)
+    assert all(b > a for a, b in blocks)  # never an empty cell
+    assert max(sum(costs[a:b]) for a, b in blocks) == _brute_force(costs, k)
+
+
+def test_k_larger_than_layers():
+    with pytest.raises(ValueError, match='larger than the number of layers'):
+        partition.balance([1, 1], 3)
+
+
+def test_costs_from_fprop_meta():
+    fc = layers.FCLayer.Params()
+    sub = [
+        fc.Copy().Set(name='a', input_dim=4, output_dim=64),
+        fc.Copy().Set(name='b', input_dim=64, output_dim=64),
+        fc.Copy().Set(name='c', input_dim=64, output_dim=4),
+    ]
+    params = partition.layer_costs(sub, 'params', (8, 4))
+    assert params == [4 * 64 + 64, 64 * 64 + 64, 64 * 4 + 4]
+    flops = partition.layer_costs(sub, 'flops', (8, 4))
+    assert flops[1] > flops[0] and flops[1] > flops[2]
+    assert partition.layer_costs(sub, 'uniform') == [1.0, 1.0, 1.0]
+    times = partition.layer_costs(sub, 'time', (8, 4))
+    assert len(times) == 3 and all(t > 0 for t in times)
+    with pytest.raises(ValueError, match='needs the input shape'):
+        partition.layer_costs(sub, 'flops')
+    with pytest.raises(ValueError, match='partition_by must be one of'):
+        partition.layer_costs(sub, 'flop', (8, 4))
+
+
+def test_check_splits():
+    assert partition.check_splits([2, 5], 5) == [2, 5]
+    with pytest.raises(ValueError, match='strictly increasing'):
+        partition.check_splits([3, 2, 5], 5)
+    with pytest.raises(ValueError, match='number of layers'):
+        partition.check_splits([2, 4], 5)
+
+
+def test_partition_table():
+    fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4)
+    sub = [fc.Copy().Set(name=f'fc{i}') for i in range(3)]
+    table = partition.partition_table(sub, [1, 3], ['/cpu:0', '/cpu:1'], (2, 4))
+    lines = table.splitlines()
+    assert lines[0].split() == ['cell', 'layers', 'params', 'flops', 'act', 'bytes', 'device']
+    assert 'fc1 .. fc2 (2)' in lines[3] and '40' in lines[3] and '/cpu:1' in lines[3]
