@@ -1,0 +1,39 @@
+"""The README's examples run as written."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python_blocks():
+    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+        return re.findall(r'```python\n(.*?)```', f.read(), flags=re.S)
+
+
+def _run(code):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    return subprocess.run(
+        [sys.executable, '-c', code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
+
+
+def test_params_example_fails_only_at_the_documented_typo():
+    block = next(b for b in _python_blocks() if 'num_haeds' in b)
+    result = _run(block)
+    assert result.returncode != 0
+    assert "AttributeError: Params has no parameter 'num_haeds' (did you mean 'num_heads'?)" in (
+        result.stderr
+    )
+    fixed = _run(block.replace('p.sub[1].num_haeds = 2', 'p.sub[1].num_heads = 2'))
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+    assert 'sub[1].num_heads : 2' in fixed.stdout
+
+
+def test_pipeline_example_trains():
+    block = next(b for b in _python_blocks() if 'gpipe.PipelinedLayer' in b)
+    result = _run(block)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'fc6 .. softmax (3)' in result.stdout and '(32, 10)' in result.stdout
