@@ -16,12 +16,15 @@ $(STAMP): setup.py
 demo: $(STAMP)
 	$(PY) tools/demo.py
 
-# Lint, then the whole suite on 2 workers (TF's C++ start-up chatter silenced, output unbuffered
-# so pytest's summary is the last line). pytest's exit 5 (no tests collected) is a failure.
+# Lint, then the whole suite on 2 workers. TF's C++ start-up lines (printed before it reads
+# TF_CPP_MIN_LOG_LEVEL, flushed at exit) are filtered from stderr so that pytest's summary stays
+# the last line; any other stderr is shown. pytest's exit 5 (no tests collected) is a failure.
+TF_NOISE := ^(WARNING: All log messages before absl|I0000 |E0000 )
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q -n 2 tests; rc=$$?; \
+	TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q -n 2 tests 2>.pytest-stderr; \
+	  rc=$$?; grep -v -E '$(TF_NOISE)' .pytest-stderr >&2; rm -f .pytest-stderr; \
 	  if [ $$rc -eq 5 ]; then echo 'pytest collected no tests: failing'; exit 1; fi; exit $$rc
 
 format: $(STAMP)

@@ -353,3 +353,25 @@ def test_errors_are_clear():
     ]
     with pytest.raises(ValueError, match=r'Cell 1 \(cell1\) cannot take its input'):
         _pipe(bad, 2, 2, 'always').FProp(tf.ones([4, 8]))
+
+
+@pytest.mark.parametrize('policy', ['always', 'never'])
+def test_each_device_runs_its_actions_in_schedule_order(policy):
+    """In the traced step, every call on a device has a control input on the device's previous
+    action, so the executor cannot reorder a device's work (memory and overlap are pinned)."""
+    sub, inputs = _fc_model()
+    pipe = _pipe(sub, 2, 4, policy)
+    graph = tf.function(lambda *x: _loss_and_grads(pipe, x)).get_concrete_function(*inputs).graph
+    calls = [
+        op
+        for op in graph.get_operations()
+        if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    ]
+    for device in pipe.devices:
+        on_device = [op for op in calls if op.device.endswith(device.split('device:')[-1])]
+        # One forward call per micro-batch, then one backward (recompute or gradient) call
+        # per micro-batch, in schedule order; each waits for the one before.
+        assert len(on_device) == 8
+        for previous, op in zip(on_device, on_device[1:]):
+            waits_on = {c for t in op.inputs for c in t.op.control_inputs}
+            assert previous in waits_on, op.name

@@ -9,8 +9,6 @@ sequence applied micro-batch by micro-batch (for layers that do not mix examples
 batch norm — that is the full-batch gradient).
 """
 
-import contextlib
-
 import tensorflow as tf
 
 from tf_gpipe import base_layer, cluster, fprop_context
@@ -197,9 +195,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         last_op = [None] * k_cells  # Each device runs its actions in schedule order.
         for action in schedule.forward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
-            x = acts[(k, m)]
             runner = self._runners[k]
-            with tf.device(runner.device), _after(last_op[k]):
+            with tf.device(runner.device):
+                x = _ordered(acts[(k, m)], last_op[k])
                 mb = tf.constant(m, tf.int64)
                 if self._Policy(m):
                     with _stop_recording():
@@ -226,8 +224,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         for action in schedule.backward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
             runner, x = self._runners[k], acts[(k, m)]
-            dy = grads.pop((k + 1, m))
-            with tf.device(runner.device), _after(last_op[k]):
+            with tf.device(runner.device):
+                dy = _ordered(grads.pop((k + 1, m)), last_op[k])
                 if (k, m) in kept:
                     d_x, d_vars = runner.BackwardKept(kept.pop((k, m)), dy)
                 else:
@@ -258,8 +256,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         for action in schedule.forward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
             runner = self._runners[k]
-            with tf.device(runner.device), _after(last_op[k]):
-                y = runner.Forward(acts[(k, m)], step, tf.constant(m, tf.int64), training=False)
+            with tf.device(runner.device):
+                x = _ordered(acts[(k, m)], last_op[k])
+                y = runner.Forward(x, step, tf.constant(m, tf.int64), training=False)
             last_op[k] = acts[(k + 1, m)] = y
         with tf.device(self._devices[-1]):
             return microbatch.merge(
@@ -286,9 +285,15 @@ def _pack_float_grads(inputs, float_grads):
     return tf.nest.pack_sequence_as(inputs, leaves)
 
 
-def _after(previous):
-    """Control dependencies on the previous action of the same device (no-op when eager)."""
+def _ordered(structure, previous):
+    """`structure` passed through identities that wait for the device's previous action.
+
+    TF attaches no control inputs to function-call ops created under tf.control_dependencies,
+    so the order is imposed on the call's inputs instead: the call cannot start before its
+    inputs exist, and they exist only after the previous action on this device finished.
+    """
     if previous is None or tf.executing_eagerly():
-        return contextlib.nullcontext()
+        return structure
     deps = [t for t in tf.nest.flatten(previous) if isinstance(t, tf.Tensor)]
-    return tf.control_dependencies(deps)
+    with tf.control_dependencies(deps):
+        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
