@@ -358,6 +358,14 @@ def Meta(flops, out_shapes, param_count, activation_bytes):
     )
 
 
+def elementwise_meta(p, inputs, flops_per_element, param_count, keeps_activations=True):
+    """FPropMeta of a layer whose output has its input's shape (norms, dropout, ...)."""
+    inputs = to_shape(inputs)
+    n = num_elements(inputs)
+    act_bytes = n * dtype_bytes(p.fprop_dtype or p.dtype) if keeps_activations else 0
+    return Meta(flops_per_element * n, inputs, param_count, act_bytes)
+
+
 def check_positive(p, *names):
     """Raises a ValueError unless each named field of `p` is a positive int."""
     for name in names:

@@ -61,9 +61,5 @@ class DropoutLayer(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, inputs):
-        inputs = base_layer.to_shape(inputs)
-        n = base_layer.num_elements(inputs)
-        act_bytes = n * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
-        return base_layer.Meta(
-            2 * n if p.keep_prob < 1 else 0, inputs, 0, act_bytes if p.keep_prob < 1 else 0
-        )
+        active = p.keep_prob < 1
+        return base_layer.elementwise_meta(p, inputs, 2 if active else 0, 0, active)

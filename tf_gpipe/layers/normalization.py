@@ -85,10 +85,7 @@ class BatchNormLayer(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, inputs):
-        inputs = base_layer.to_shape(inputs)
-        n = base_layer.num_elements(inputs)
-        act_bytes = n * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
-        return base_layer.Meta(8 * n, inputs, 2 * p.dim, act_bytes)
+        return base_layer.elementwise_meta(p, inputs, 8, 2 * p.dim)
 
 
 class LayerNorm(base_layer.BaseLayer):
@@ -116,7 +113,4 @@ class LayerNorm(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, inputs):
-        inputs = base_layer.to_shape(inputs)
-        n = base_layer.num_elements(inputs)
-        act_bytes = n * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
-        return base_layer.Meta(8 * n, inputs, 2 * p.input_dim, act_bytes)
+        return base_layer.elementwise_meta(p, inputs, 8, 2 * p.input_dim)
