@@ -1,0 +1,125 @@
+"""Start TF worker processes on 127.0.0.1 (tests, benchmarks, single-host multi-process runs).
+
+Each worker is a `tf.distribute.Server` in its own Python process, optionally pinned to one core
+(`taskset -c`, one intra-op thread) so that "one worker per stage" means one core per stage. The
+client connects with `tf.config.experimental_connect_to_cluster`, and TF's own distributed
+runtime carries the tensors between stages — no transport of ours.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import tensorflow as tf
+
+_WORKER_MAIN = """
+import json, sys
+import tensorflow as tf
+spec = tf.train.ClusterSpec(json.loads(sys.argv[1]))
+server = tf.distribute.Server(spec, job_name=sys.argv[2], task_index=int(sys.argv[3]),
+                              protocol='grpc', start=True)
+print('ready', flush=True)
+server.join()
+"""
+
+
+def free_ports(n):
+    """n distinct free TCP ports on 127.0.0.1."""
+    sockets, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(('127.0.0.1', 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+class LocalCluster:
+    """`num_workers` TF workers on loopback, plus a 'client' task for this process.
+
+    Use as a context manager; workers are always killed on exit. `cores` pins worker i to core
+    cores[i] (with one intra-op and one inter-op thread) when `taskset` exists.
+    """
+
+    def __init__(self, num_workers, cores=None, job_name='worker', start_timeout=60.0):
+        if num_workers < 1:
+            raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
+        self.num_workers = num_workers
+        self.job_name = job_name
+        ports = free_ports(num_workers + 1)
+        self.spec = {
+            job_name: [f'127.0.0.1:{p}' for p in ports[:num_workers]],
+            'client': [f'127.0.0.1:{ports[-1]}'],
+        }
+        self._cores = cores
+        self._timeout = start_timeout
+        self.processes = []
+
+    @property
+    def cluster_spec(self):
+        return tf.train.ClusterSpec(self.spec)
+
+    def device(self, task, kind='CPU', index=0):
+        return f'/job:{self.job_name}/replica:0/task:{task}/device:{kind}:{index}'
+
+    def devices(self):
+        return [self.device(i) for i in range(self.num_workers)]
+
+    def start(self):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+        for i in range(self.num_workers):
+            cmd = [sys.executable, '-c', _WORKER_MAIN, json.dumps(self.spec), self.job_name,
+                   str(i)]
+            worker_env = dict(env)
+            if self._cores is not None:
+                # One core and one compute thread; a second inter-op thread lets a finished
+                # micro-batch's Send run while the next micro-batch computes (with one, the
+                # Send waits for the whole forward wave: measured, no overlap at all).
+                worker_env.update(TF_NUM_INTRAOP_THREADS='1', TF_NUM_INTEROP_THREADS='2')
+                if shutil.which('taskset'):
+                    cmd = ['taskset', '-c', str(self._cores[i])] + cmd
+            self.processes.append(subprocess.Popen(
+                cmd, env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True))
+        deadline = time.time() + self._timeout
+        for i, proc in enumerate(self.processes):
+            line = ''
+            while time.time() < deadline and proc.poll() is None:
+                line = proc.stdout.readline()
+                if line.startswith('ready'):
+                    break
+            if not line.startswith('ready'):
+                self.stop()
+                raise RuntimeError(f'TF worker {i} did not start within {self._timeout:.0f}s.')
+        return self
+
+    def connect(self):
+        """Makes this process the cluster's client (devices of every worker become usable)."""
+        tf.config.experimental_connect_to_cluster(self.cluster_spec, job_name='client')
+        return self
+
+    def kill(self, task):
+        """Kills worker `task` (SIGKILL), as a crash would."""
+        self.processes[task].kill()
+        self.processes[task].wait()
+
+    def stop(self):
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.processes:
+            proc.wait()
+        self.processes = []
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
