@@ -375,3 +375,105 @@ def test_each_device_runs_its_actions_in_schedule_order(policy):
         for previous, op in zip(on_device, on_device[1:]):
             waits_on = {c for t in op.inputs for c in t.op.control_inputs}
             assert previous in waits_on, op.name
+
+
+def _replicated(sub, r, k, m, policy='always', **kw):
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=sub,
+            num_partitions=k,
+            partition_by='uniform',
+            num_micro_batches=m,
+            num_replicas=r,
+            recompute=policy,
+            random_seed=1,
+        )
+        .Set(**kw)
+        .Instantiate()
+    )
+
+
+def test_data_x_pipeline_r2_k2_equals_single_device_training():
+    """R=2 replicas of a K=2 pipeline on 4 devices: full-batch gradients, and after optimizer
+    steps the same weights as one device training on the whole batch."""
+    sub, (x,) = _fc_model()
+    pipe = _replicated(sub, 2, 2, 2, random_seed=None)  # copies start equal even unseeded
+    assert pipe.replica_devices == [
+        [d.name for d in tf.config.list_logical_devices('CPU')][i : i + 2] for i in (0, 2)
+    ]
+    plain = _plain(sub)
+    for v in plain.trainable_variables:  # same start as the pipeline's replica 0
+        v.assign(
+            next(
+                w
+                for w in pipe.cells[0].trainable_variables + pipe.cells[1].trainable_variables
+                if w.name == v.name
+            )
+        )
+    labels = tf.constant([0, 1, 2, 0, 1, 2, 0, 1])
+
+    def trainer(model):
+        optimizer = tf.keras.optimizers.Adam(0.05)
+        softmax = model.AllLayers()[-1]
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = softmax.XentLoss(model.FProp(x), labels).avg_xent
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss, grads
+
+        return step
+
+    pipe_step, plain_step = trainer(pipe), trainer(plain)
+    for _ in range(3):
+        (loss_p, grads_p), (loss_q, grads_q) = pipe_step(), plain_step()
+        np.testing.assert_allclose(loss_p, loss_q, rtol=1e-5)
+        # Every copy (both replicas) gets the full-batch gradient of its variable.
+        full = {v.name: g for v, g in zip(plain.trainable_variables, grads_q)}
+        assert len(grads_p) == 2 * len(full)
+        for v, g in zip(pipe.trainable_variables, grads_p):
+            np.testing.assert_allclose(g, full[v.name], rtol=1e-5, atol=1e-6, err_msg=v.name)
+    want = {v.name: v.numpy() for v in plain.trainable_variables}
+    for r in range(2):
+        cells = pipe._replica_cells[r]
+        got = {v.name: v.numpy() for c in cells for v in c.trainable_variables}
+        assert sorted(got) == sorted(want)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    for c0, c1 in zip(pipe._replica_cells[0], pipe._replica_cells[1]):
+        for a, b in zip(c0.trainable_variables, c1.trainable_variables):
+            assert a.device != b.device
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_data_x_pipeline_batch_norm_pools_statistics():
+    sub, (x,) = _bn_model()
+    two = _replicated(sub, 2, 2, 2)
+    one = _replicated(sub, 1, 2, 4)  # the same 4 micro-batches on one replica
+    got = tf.function(lambda: _loss_and_grads_named(two, x))()
+    want = _loss_and_grads_named(one, x)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    two.PostTrainingStepUpdate()
+    one.PostTrainingStepUpdate()
+    stats = {v.name: v.numpy() for v in one.variables if 'moving' in v.name}
+    for cells in two._replica_cells:
+        for v in [v for c in cells for v in c.variables if 'moving' in v.name]:
+            np.testing.assert_allclose(v.numpy(), stats[v.name], rtol=1e-5, atol=1e-6)
+
+
+def _loss_and_grads_named(layer, x):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer.FProp(x) * tf.random.stateless_normal([8, 6], [9, 9]))
+    return loss, tape.gradient(loss, layer.trainable_variables)
+
+
+def test_data_x_pipeline_errors():
+    sub, _ = _fc_model()
+    with pytest.raises(ValueError, match='3 replicas x 2 stages need 6 devices'):
+        _replicated(sub, 3, 2, 1)
+    with pytest.raises(ValueError, match='cannot be split into 4 equal micro-batches'):
+        _replicated(sub, 2, 2, 2).FProp(tf.ones([6, 8]))

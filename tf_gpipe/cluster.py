@@ -76,6 +76,22 @@ class DeviceMesh:
             )
         return row[:num_stages]
 
+    def pipeline_devices(self, num_replicas, num_stages):
+        """[num_replicas][num_stages] device names: the mesh's rows, or its one row reshaped."""
+        if num_replicas == 1:
+            return [self.stage_devices(num_stages)]
+        if self.num_replicas >= num_replicas:
+            return [self.stage_devices(num_stages, r) for r in range(num_replicas)]
+        flat = list(self.devices.reshape(-1))
+        need = num_replicas * num_stages
+        if len(flat) < need:
+            raise ValueError(
+                f'{num_replicas} replicas x {num_stages} stages need {need} devices; the device '
+                f'mesh has {len(flat)} ({", ".join(flat)}). Create more (e.g. '
+                f'cluster.logical_cpus({need}) before TF initialises) or pass devices=[...].'
+            )
+        return [flat[r * num_stages : (r + 1) * num_stages] for r in range(num_replicas)]
+
     def __str__(self):
         rows = [f'  replica {r}: ' + ', '.join(self.devices[r]) for r in range(self.num_replicas)]
         return (

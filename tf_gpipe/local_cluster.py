@@ -74,8 +74,7 @@ class LocalCluster:
     def start(self):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
         for i in range(self.num_workers):
-            cmd = [sys.executable, '-c', _WORKER_MAIN, json.dumps(self.spec), self.job_name,
-                   str(i)]
+            cmd = [sys.executable, '-c', _WORKER_MAIN, json.dumps(self.spec), self.job_name, str(i)]
             worker_env = dict(env)
             if self._cores is not None:
                 # One core and one compute thread; a second inter-op thread lets a finished
@@ -84,9 +83,15 @@ class LocalCluster:
                 worker_env.update(TF_NUM_INTRAOP_THREADS='1', TF_NUM_INTEROP_THREADS='2')
                 if shutil.which('taskset'):
                     cmd = ['taskset', '-c', str(self._cores[i])] + cmd
-            self.processes.append(subprocess.Popen(
-                cmd, env=worker_env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True))
+            self.processes.append(
+                subprocess.Popen(
+                    cmd,
+                    env=worker_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                )
+            )
         deadline = time.time() + self._timeout
         for i, proc in enumerate(self.processes):
             line = ''

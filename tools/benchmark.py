@@ -33,17 +33,28 @@ JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 def _sub():
     return [
-        layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=WIDTH.value,
-                                    output_dim=WIDTH.value, activation='RELU')
+        layers.FCLayer.Params().Set(
+            name=f'fc{i}', input_dim=WIDTH.value, output_dim=WIDTH.value, activation='RELU'
+        )
         for i in range(LAYERS.value)
     ]
 
 
 def _time_step(devices, num_stages):
-    pipe = gpipe.PipelinedLayer.Params().Set(
-        name=f'pipe{num_stages}', sub=_sub(), num_partitions=num_stages, partition_by='uniform',
-        num_micro_batches=MICRO.value, recompute=POLICY.value, devices=devices[:num_stages],
-        random_seed=1).Instantiate()
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name=f'pipe{num_stages}',
+            sub=_sub(),
+            num_partitions=num_stages,
+            partition_by='uniform',
+            num_micro_batches=MICRO.value,
+            recompute=POLICY.value,
+            devices=devices[:num_stages],
+            random_seed=1,
+        )
+        .Instantiate()
+    )
     with tf.device(devices[0]):
         x = tf.random.stateless_normal([BATCH.value, WIDTH.value], [1, 2])
 
@@ -75,10 +86,19 @@ def measure():
         tk = _time_step(devices, k)
     speedup = t1 / tk
     bound = k * m / (m + k - 1)
-    return dict(num_stages=k, num_micro_batches=m, recompute=POLICY.value, layers=LAYERS.value,
-                width=WIDTH.value, batch_size=BATCH.value, step_seconds_k1=t1,
-                step_seconds_k=tk, speedup=speedup, bubble_bound=bound,
-                efficiency=speedup / bound)
+    return dict(
+        num_stages=k,
+        num_micro_batches=m,
+        recompute=POLICY.value,
+        layers=LAYERS.value,
+        width=WIDTH.value,
+        batch_size=BATCH.value,
+        step_seconds_k1=t1,
+        step_seconds_k=tk,
+        speedup=speedup,
+        bubble_bound=bound,
+        efficiency=speedup / bound,
+    )
 
 
 def main(_):
@@ -86,13 +106,17 @@ def main(_):
     if JSON.value:
         print(json.dumps(r))
         return
-    print(f"{r['layers']} FC layers x {r['width']}, batch {r['batch_size']}, "
-          f"M={r['num_micro_batches']}, recompute={r['recompute']}, one single-core TF worker "
-          'per stage')
-    print(f"{'K':>3}{'step s':>10}{'speed-up':>10}{'bound':>8}{'efficiency':>12}")
-    print(f"{1:>3}{r['step_seconds_k1']:>10.3f}{1.0:>10.2f}{1.0:>8.2f}{1.0:>12.2f}")
-    print(f"{r['num_stages']:>3}{r['step_seconds_k']:>10.3f}{r['speedup']:>10.2f}"
-          f"{r['bubble_bound']:>8.2f}{r['efficiency']:>12.2f}")
+    print(
+        f'{r["layers"]} FC layers x {r["width"]}, batch {r["batch_size"]}, '
+        f'M={r["num_micro_batches"]}, recompute={r["recompute"]}, one single-core TF worker '
+        'per stage'
+    )
+    print(f'{"K":>3}{"step s":>10}{"speed-up":>10}{"bound":>8}{"efficiency":>12}')
+    print(f'{1:>3}{r["step_seconds_k1"]:>10.3f}{1.0:>10.2f}{1.0:>8.2f}{1.0:>12.2f}')
+    print(
+        f'{r["num_stages"]:>3}{r["step_seconds_k"]:>10.3f}{r["speedup"]:>10.2f}'
+        f'{r["bubble_bound"]:>8.2f}{r["efficiency"]:>12.2f}'
+    )
 
 
 if __name__ == '__main__':

@@ -14,6 +14,7 @@ import tensorflow as tf
 from tf_gpipe import base_layer, cluster, fprop_context
 from tf_gpipe.gpipe import microbatch, partition, schedule
 from tf_gpipe.gpipe.recompute import CellRunner
+from tf_gpipe.layers.normalization import BatchNormLayer
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
 
 try:  # Pauses every active tape (public equivalent: none for all tapes at once).
@@ -42,7 +43,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define('num_micro_batches', 1, 'M: micro-batches per batch (must divide the batch).')
         p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
         p.Define('recompute', 'except_last', f'Re-materialisation policy: {RECOMPUTE_POLICIES}.')
-        p.Define('devices', None, 'K device names; None: the first K of cluster.current_mesh().')
+        p.Define('num_replicas', 1, 'R: data-parallel replicas of the K-stage pipeline.')
+        p.Define(
+            'devices',
+            None,
+            'K device names, or R lists of K (one per replica); None: cluster.current_mesh().',
+        )
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         return p
 
@@ -52,29 +58,54 @@ class PipelinedLayer(base_layer.BaseLayer):
         if p.recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {p.recompute!r}.')
         base_layer.check_positive(p, 'num_micro_batches')
+        base_layer.check_positive(p, 'num_replicas')
         cell_params, self._splits, self._sub = self._CellParams(p)
-        k = len(cell_params)
-        if p.devices is None:
-            devices = cluster.current_mesh().stage_devices(k)
-        else:
-            if len(p.devices) < k:
-                raise ValueError(
-                    f'{p.name}: {k} cells need {k} devices, got {len(p.devices)}: {p.devices}.'
-                )
-            devices = list(p.devices[:k])
-        self._devices = cluster.check_device_names(devices)
-        self._cells = []
-        for i, (cp, device) in enumerate(zip(cell_params, self._devices)):
-            with tf.device(device):
-                self._cells.append(self.CreateChild(f'cell{i}', cp))
-        self._runners = [
-            CellRunner(cell, dev, i, p.jit_compile)
-            for i, (cell, dev) in enumerate(zip(self._cells, self._devices))
-        ]
+        k, r_count = len(cell_params), p.num_replicas
+        self._replica_devices = self._DeviceRows(p, r_count, k)
+        self._devices = self._replica_devices[0]
+        # Replica 0's cells are `cell<k>`; replica r's are `replica<r>_cell<k>`, copies that start
+        # equal and receive the same all-reduced gradients, so they stay equal.
+        self._replica_cells, self._runners = [], []
+        for r, row in enumerate(self._replica_devices):
+            cells = []
+            for i, (cp, device) in enumerate(zip(cell_params, row)):
+                name = f'cell{i}' if r == 0 else f'replica{r}_cell{i}'
+                with tf.device(device):
+                    cells.append(self.CreateChild(name, cp))
+            self._replica_cells.append(cells)
+            self._runners.append(
+                [CellRunner(c, d, i, p.jit_compile) for i, (c, d) in enumerate(zip(cells, row))]
+            )
+        self._cells = self._replica_cells[0]
+        for cells in self._replica_cells[1:]:
+            for src, dst in zip(self._cells, cells):
+                for a, b in zip(src.variables, dst.variables):
+                    b.assign(a)
         with tf.device(self._devices[0]):
             self.CreateVariable(
                 'step', [], init=base_layer.WeightInit.Constant(0), dtype=tf.int64, trainable=False
             )
+
+    @staticmethod
+    def _DeviceRows(p, r_count, k):
+        """R rows of K canonical device names."""
+        if p.devices is None:
+            rows = cluster.current_mesh().pipeline_devices(r_count, k)
+        else:
+            nested = all(isinstance(d, (list, tuple)) for d in p.devices)
+            rows = [list(d) for d in p.devices] if nested else [list(p.devices)]
+            if len(rows) != r_count:
+                raise ValueError(
+                    f'{p.name}: num_replicas={r_count} needs {r_count} rows of devices, got '
+                    f'{len(rows)}: {p.devices}.'
+                )
+            for row in rows:
+                if len(row) < k:
+                    raise ValueError(
+                        f'{p.name}: {k} cells need {k} devices, got {len(row)}: {row}.'
+                    )
+            rows = [row[:k] for row in rows]
+        return [cluster.check_device_names(row) for row in rows]
 
     @staticmethod
     def _CellParams(p):
@@ -118,7 +149,17 @@ class PipelinedLayer(base_layer.BaseLayer):
 
     @property
     def devices(self):
+        """Replica 0's K devices."""
         return list(self._devices)
+
+    @property
+    def replica_devices(self):
+        """R lists of K devices."""
+        return [list(row) for row in self._replica_devices]
+
+    @property
+    def num_replicas(self):
+        return len(self._replica_devices)
 
     @property
     def splits(self):
@@ -149,33 +190,81 @@ class PipelinedLayer(base_layer.BaseLayer):
         p = self.params
         ctx = fprop_context.current()
         step = self._Step()
+        r_count, m_count = self.num_replicas, p.num_micro_batches
+        microbatch.check_divisible(inputs, r_count * m_count, p.batch_dim)
         if not ctx.training:
-            micro_inputs = microbatch.split(inputs, p.num_micro_batches, p.batch_dim)
-            return self._Unpack(self._Eval(micro_inputs, step))
-        microbatch.check_divisible(inputs, p.num_micro_batches, p.batch_dim)
+            shards = microbatch.split(inputs, r_count, p.batch_dim)
+            outs = [
+                self._Eval(runners, microbatch.split(shard, m_count, p.batch_dim), step)
+                for runners, shard in zip(self._runners, shards)
+            ]
+            with tf.device(self._devices[-1]):
+                return self._Unpack(microbatch.merge(outs, p.batch_dim))
         flat_inputs = tf.nest.flatten(inputs)
         out_structure = []
 
         @tf.custom_gradient
         def pipeline(*flat):
-            micro = microbatch.split(
-                tf.nest.pack_sequence_as(inputs, list(flat)), p.num_micro_batches, p.batch_dim
+            shards = microbatch.split(
+                tf.nest.pack_sequence_as(inputs, list(flat)), r_count, p.batch_dim
             )
-            outputs, saved = self._ForwardWave(micro, step)
+            replica_outs, saved = [], []
+            for runners, shard in zip(self._runners, shards):
+                micro = microbatch.split(shard, m_count, p.batch_dim)
+                outputs, state = self._ForwardWave(runners, micro, step)
+                with tf.device(runners[-1].device):
+                    replica_outs.append(microbatch.merge(outputs, p.batch_dim))
+                saved.append(state)
             with tf.device(self._devices[-1]):
-                merged = microbatch.merge(outputs, p.batch_dim)
+                merged = microbatch.merge(replica_outs, p.batch_dim)
             out_structure.append(merged)
-            flat_out = tf.nest.flatten(merged)
 
             def grad(*dys, variables=None):
-                d_flat, var_grads = self._BackwardWave(saved, merged, dys, step, flat)
+                d_flat, var_grads = self._Backward(saved, replica_outs, merged, dys, step, flat)
                 by_ref = {v.ref(): g for v, g in var_grads}
                 return d_flat, [by_ref.get(v.ref()) for v in variables or []]
 
-            return flat_out, grad
+            return tf.nest.flatten(merged), grad
 
         flat_out = pipeline(*flat_inputs)
         return self._Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
+
+    def _Backward(self, saved, replica_outs, merged, dys, step, flat_inputs):
+        """Backward waves of every replica, then the replicas' gradients summed per stage."""
+        p = self.params
+        dys = [
+            tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
+            for y, dy in zip(tf.nest.flatten(merged), dys)
+        ]
+        with tf.device(self._devices[-1]):
+            d_shards = microbatch.split(
+                tf.nest.pack_sequence_as(merged, dys), self.num_replicas, p.batch_dim
+            )
+        d_inputs, sums = [], []
+        for runners, state, out, d_out in zip(self._runners, saved, replica_outs, d_shards):
+            d_in, var_sums = self._BackwardWave(runners, state, out, d_out, step)
+            d_inputs.append(d_in)
+            sums.append(var_sums)
+        with tf.device(self._devices[0]):
+            d_merged = microbatch.merge(d_inputs, p.batch_dim)
+        d_flat = [
+            g if x.dtype.is_floating else None
+            for x, g in zip(flat_inputs, tf.nest.flatten(d_merged))
+        ]
+        var_grads = []
+        for k in range(self.num_cells):
+            per_replica = [s[k] for s in sums]
+            if len(per_replica) > 1:
+                # All-reduce: sum on replica 0's stage-k device, a copy to each replica's device.
+                with tf.device(self._devices[k]):
+                    totals = [tf.add_n(list(gs)) for gs in zip(*per_replica)]
+                per_replica = []
+                for runners in self._runners:
+                    with tf.device(runners[k].device):
+                        per_replica.append([tf.identity(t) for t in totals])
+            for runners, grads in zip(self._runners, per_replica):
+                var_grads.extend(zip(runners[k].variables, grads))
+        return d_flat, var_grads
 
     @staticmethod
     def _Unpack(outputs):
@@ -187,15 +276,15 @@ class PipelinedLayer(base_layer.BaseLayer):
         last = m == self.params.num_micro_batches - 1
         return policy == 'always' or (policy == 'except_last' and not last)
 
-    def _ForwardWave(self, micro_inputs, step):
-        """Runs the forward schedule; returns (outputs per micro-batch, what backward needs)."""
+    def _ForwardWave(self, runners, micro_inputs, step):
+        """One replica's forward schedule: (outputs per micro-batch, what backward needs)."""
         k_cells, m_count = self.num_cells, self.params.num_micro_batches
         acts = {(0, m): micro_inputs[m] for m in range(m_count)}  # (cell, m) -> cell input
         kept = {}
         last_op = [None] * k_cells  # Each device runs its actions in schedule order.
         for action in schedule.forward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
-            runner = self._runners[k]
+            runner = runners[k]
             with tf.device(runner.device):
                 x = _ordered(acts[(k, m)], last_op[k])
                 mb = tf.constant(m, tf.int64)
@@ -209,21 +298,18 @@ class PipelinedLayer(base_layer.BaseLayer):
         outputs = [self._Unpack(acts[(k_cells, m)]) for m in range(m_count)]
         return outputs, (acts, kept, last_op)
 
-    def _BackwardWave(self, saved, merged, dys, step, flat_inputs):
+    def _BackwardWave(self, runners, saved, outputs, d_outputs, step):
+        """One replica's backward schedule: (d_inputs, per-cell sums of d_variables)."""
         p = self.params
         acts, kept, last_op = saved
         k_cells, m_count = self.num_cells, p.num_micro_batches
-        dys = [
-            tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
-            for y, dy in zip(tf.nest.flatten(merged), dys)
-        ]
-        with tf.device(self._devices[-1]):
-            d_out = microbatch.split(tf.nest.pack_sequence_as(merged, dys), m_count, p.batch_dim)
+        with tf.device(runners[-1].device):
+            d_out = microbatch.split(d_outputs, m_count, p.batch_dim)
         grads = {(k_cells, m): _as_tuple(d_out[m]) for m in range(m_count)}
         var_sums = [None] * k_cells
         for action in schedule.backward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
-            runner, x = self._runners[k], acts[(k, m)]
+            runner, x = runners[k], acts[(k, m)]
             with tf.device(runner.device):
                 dy = _ordered(grads.pop((k + 1, m)), last_op[k])
                 if (k, m) in kept:
@@ -237,33 +323,43 @@ class PipelinedLayer(base_layer.BaseLayer):
                     var_sums[k] = [a + b for a, b in zip(var_sums[k], d_vars)]
             last_op[k] = d_x + var_sums[k] if (d_x or var_sums[k]) else last_op[k]
             grads[(k, m)] = _pack_float_grads(x, d_x)
-        with tf.device(self._devices[0]):
+        with tf.device(runners[0].device):
             d_inputs = microbatch.merge([grads[(0, m)] for m in range(m_count)], p.batch_dim)
-        d_flat = [
-            g if x.dtype.is_floating else None
-            for x, g in zip(flat_inputs, tf.nest.flatten(d_inputs))
-        ]
-        var_grads = []
-        for runner, sums in zip(self._runners, var_sums):
-            var_grads.extend(zip(runner.variables, sums))
-        return d_flat, var_grads
+        return d_inputs, var_sums
 
-    def _Eval(self, micro_inputs, step):
+    def _Eval(self, runners, micro_inputs, step):
         """Forward only, no tapes, still one device after another in schedule order."""
         k_cells, m_count = self.num_cells, self.params.num_micro_batches
         acts = {(0, m): micro_inputs[m] for m in range(m_count)}
         last_op = [None] * k_cells
         for action in schedule.forward_schedule(k_cells, m_count):
             k, m = action.stage, action.micro_batch
-            runner = self._runners[k]
+            runner = runners[k]
             with tf.device(runner.device):
                 x = _ordered(acts[(k, m)], last_op[k])
                 y = runner.Forward(x, step, tf.constant(m, tf.int64), training=False)
             last_op[k] = acts[(k + 1, m)] = y
-        with tf.device(self._devices[-1]):
+        with tf.device(runners[-1].device):
             return microbatch.merge(
                 [acts[(k_cells, m)] for m in range(m_count)], self.params.batch_dim
             )
+
+    def PostTrainingStepUpdate(self):
+        """Replicas first pool their batch-norm sums, so every copy moves with the global batch."""
+        if self.num_replicas > 1:
+            groups = zip(
+                *[
+                    [layer for c in cells for layer in c.AllLayers()]
+                    for cells in self._replica_cells
+                ]
+            )
+            for group in groups:
+                if isinstance(group[0], BatchNormLayer):
+                    for name in ('acc_count', 'acc_sum', 'acc_sum_sq'):
+                        total = tf.add_n([layer.vars[name].read_value() for layer in group])
+                        for layer in group:
+                            layer.vars[name].assign(total)
+        super().PostTrainingStepUpdate()
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
