@@ -1,5 +1,8 @@
 """cluster: logical CPUs, device-name checks, the device mesh."""
 
+import json
+
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -39,3 +42,62 @@ def test_mesh():
         assert custom.stage_devices(2, replica=1) == ['/cpu:2', '/cpu:3']
     assert cluster.current_mesh().shape == (1, 4)
     assert 'replicas x 2 stages' in str(custom)
+
+
+def test_mesh_from_local():
+    mesh = cluster.DeviceMesh.from_local(num_replicas=2, num_stages=2)
+    assert mesh.shape == (2, 2) and mesh.devices[1][0].endswith('CPU:2')
+    assert cluster.DeviceMesh.from_local().shape == (1, 4)
+    with pytest.raises(
+        ValueError, match='3 replicas x 2 stages need 6 devices; this process has 4'
+    ):
+        cluster.DeviceMesh.from_local(num_replicas=3, num_stages=2)
+    assert cluster.current_mesh().pipeline_devices(2, 2)[1][1].endswith('CPU:3')
+
+
+def test_mesh_from_cluster_spec_and_tf_config(monkeypatch):
+    spec = {'worker': [f'127.0.0.1:{2000 + i}' for i in range(4)], 'chief': ['127.0.0.1:1999']}
+    mesh = cluster.DeviceMesh.from_cluster(tf.train.ClusterSpec(spec), num_replicas=2)
+    assert mesh.devices.tolist() == [
+        ['/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0'],
+        ['/job:worker/replica:0/task:2/device:CPU:0', '/job:worker/replica:0/task:3/device:CPU:0'],
+    ]
+    monkeypatch.setenv(
+        'TF_CONFIG',
+        json.dumps(
+            {'cluster': {'worker': ['h1:1', 'h2:2']}, 'task': {'type': 'worker', 'index': 0}}
+        ),
+    )
+    gpus = cluster.DeviceMesh.from_cluster(device_type='GPU', devices_per_task=2)
+    assert gpus.shape == (1, 4)
+    assert gpus.devices[0][3] == '/job:worker/replica:0/task:1/device:GPU:1'
+    with pytest.raises(ValueError, match="no job 'ps'"):
+        cluster.DeviceMesh.from_cluster(spec, job_name='ps')
+    with pytest.raises(ValueError, match='need 6 devices'):
+        cluster.DeviceMesh.from_cluster(spec, num_replicas=3, num_stages=2)
+
+
+def _topology():
+    """A 2-host, 8-core TPU topology (no TPU needed to build one)."""
+    coords = np.array(
+        [[[x, y, 0, c] for x in range(2) for c in range(2)] for y in range(2)], dtype=np.int32
+    )
+    return tf.tpu.experimental.Topology(mesh_shape=[2, 2, 1, 2], device_coordinates=coords)
+
+
+@pytest.mark.parametrize('stages,replicas', [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_tpu_device_assignment_arithmetic(stages, replicas):
+    da = cluster.tpu_device_assignment(stages, topology=_topology())
+    assert da.num_cores_per_replica == stages and da.num_replicas == replicas
+    mesh = cluster.DeviceMesh.from_tpu(da, job='worker')
+    assert mesh.shape == (replicas, stages)
+    names = mesh.devices.reshape(-1).tolist()
+    assert len(set(names)) == 8  # every core used once
+    assert all(n.startswith('/job:worker/task:') and '/device:TPU:' in n for n in names)
+
+
+def test_tpu_device_assignment_errors():
+    with pytest.raises(ValueError, match='8 TPU cores cannot be cut into stages of 3'):
+        cluster.tpu_device_assignment(3, topology=_topology())
+    with pytest.raises(ValueError, match='need 16 TPU cores'):
+        cluster.tpu_device_assignment(4, num_replicas=4, topology=_topology())

@@ -14,7 +14,7 @@ _SCRIPT = r"""
 import json, os, sys, threading, time
 import numpy as np
 import tensorflow as tf
-from tf_gpipe import gpipe, layers, local_cluster
+from tf_gpipe import gpipe, layers, local_cluster, placement
 
 report = {}
 with local_cluster.LocalCluster(2) as cluster:
@@ -42,6 +42,21 @@ with local_cluster.LocalCluster(2) as cluster:
     report['max_rel_grad_err'] = max(
         float(np.abs(g - by_name[v.name]).max() / np.abs(by_name[v.name]).max())
         for v, g in zip(pipe.trainable_variables, got[1]))
+
+    # Training keeps the optimizer's slots and updates on the workers.
+    optimizer = placement.build_optimizer(tf.keras.optimizers.Adam(1e-3),
+                                          pipe.trainable_variables)
+
+    @tf.function
+    def train():
+        loss, grads = loss_and_grads(pipe)
+        optimizer.apply_gradients(zip(grads, pipe.trainable_variables))
+        return loss
+
+    losses = [float(train()) for _ in range(3)]
+    report['losses_fall'] = losses[2] < losses[0]
+    report['slot_devices'] = sorted({
+        v.value.device for v in optimizer.variables if len(v.shape) > 0})
 
     # A worker dies in the middle of a long step: the client gets an error, no hang.
     big = [layers.FCLayer.Params().Set(name=f'big{i}', input_dim=1024, output_dim=1024)
@@ -85,6 +100,8 @@ def test_pipeline_across_worker_processes():
     ]
     assert abs(report['loss'][0] - report['loss'][1]) <= 1e-5 * abs(report['loss'][1])
     assert report['max_rel_grad_err'] < 1e-5
+    assert report['losses_fall']
+    assert report['slot_devices'] == report['variable_devices']
     assert report['error'] == 'UnavailableError', report
     # Documented bound: a dead worker surfaces within 30 s (measured: well under a second
     # after the step that needs it).

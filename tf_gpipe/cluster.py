@@ -52,6 +52,66 @@ class DeviceMesh:
         if self.devices.ndim != 2 or self.devices.size == 0:
             raise ValueError('DeviceMesh needs a non-empty [replicas, stages] array of names.')
 
+    # ---- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def from_local(cls, num_replicas=1, num_stages=None, device_type=None):
+        """[R, K] of this process's devices (GPUs if any, else logical CPUs), row-major."""
+        if device_type is None:
+            names = local_devices()
+        else:
+            names = [d.name for d in tf.config.list_logical_devices(device_type.upper())]
+        num_stages = num_stages or len(names) // num_replicas
+        return cls(_reshape(names, num_replicas, num_stages, 'this process'))
+
+    @classmethod
+    def from_cluster(
+        cls,
+        cluster=None,
+        num_replicas=1,
+        num_stages=None,
+        job_name='worker',
+        device_type='CPU',
+        devices_per_task=1,
+    ):
+        """[R, K] over the tasks of a TF cluster: stage k of replica r on task r*K + k.
+
+        `cluster`: a tf.train.ClusterSpec, a dict, a cluster resolver, or None to read the
+        TF_CONFIG environment variable. With devices_per_task > 1 (e.g. a host's GPUs), a
+        task's devices are consecutive stages.
+        """
+        if cluster is None:
+            cluster = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        if isinstance(cluster, tf.distribute.cluster_resolver.ClusterResolver):
+            cluster = cluster.cluster_spec()
+        spec = tf.train.ClusterSpec(cluster)
+        if job_name not in spec.jobs:
+            raise ValueError(
+                f"The cluster has no job '{job_name}' (jobs: {', '.join(spec.jobs) or 'none'}); "
+                'set job_name, or check TF_CONFIG.'
+            )
+        names = [
+            f'/job:{job_name}/replica:0/task:{t}/device:{device_type.upper()}:{i}'
+            for t in spec.task_indices(job_name)
+            for i in range(devices_per_task)
+        ]
+        num_stages = num_stages or len(names) // num_replicas
+        return cls(_reshape(names, num_replicas, num_stages, f"the cluster's job '{job_name}'"))
+
+    @classmethod
+    def from_tpu(cls, device_assignment, job=None):
+        """[R, K] from a tf.tpu.experimental.DeviceAssignment (cores per replica = K)."""
+        da = device_assignment
+        return cls(
+            [
+                [
+                    da.tpu_device(replica=r, logical_core=k, job=job)
+                    for k in range(da.num_cores_per_replica)
+                ]
+                for r in range(da.num_replicas)
+            ]
+        )
+
     @property
     def shape(self):
         return self.devices.shape
@@ -98,6 +158,56 @@ class DeviceMesh:
             f'DeviceMesh [{self.num_replicas} replicas x {self.num_stages} stages]\n'
             + '\n'.join(rows)
         )
+
+
+def _reshape(names, num_replicas, num_stages, where):
+    need = num_replicas * num_stages
+    if num_stages < 1 or len(names) < need:
+        raise ValueError(
+            f'{num_replicas} replicas x {max(num_stages, 1)} stages need '
+            f'{num_replicas * max(num_stages, 1)} devices; {where} has {len(names)}.'
+        )
+    return [names[r * num_stages : (r + 1) * num_stages] for r in range(num_replicas)]
+
+
+def tpu_device_assignment(num_stages, num_replicas=None, topology=None):
+    """A DeviceAssignment with K = num_stages cores per replica (R = all cores // K by default).
+
+    `topology` defaults to initialising the TPU system of the current cluster
+    (tf.tpu.experimental.initialize_tpu_system); pass one to plan without a TPU.
+    """
+    if topology is None:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver()
+        tf.config.experimental_connect_to_cluster(resolver)
+        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    cores = topology.num_tasks * topology.num_tpus_per_task
+    if num_stages < 1 or cores % num_stages:
+        raise ValueError(f'{cores} TPU cores cannot be cut into stages of {num_stages} cores.')
+    num_replicas = num_replicas or cores // num_stages
+    if num_replicas * num_stages > cores:
+        raise ValueError(
+            f'{num_replicas} replicas x {num_stages} stages need '
+            f'{num_replicas * num_stages} TPU cores; the topology has {cores}.'
+        )
+    shape = [1] * (len(topology.mesh_shape) - 1) + [num_stages]
+    if num_stages > topology.mesh_shape[-1]:
+        shape = _core_shape(topology.mesh_shape, num_stages)
+    return tf.tpu.experimental.DeviceAssignment.build(
+        topology, computation_shape=shape, num_replicas=num_replicas
+    )
+
+
+def _core_shape(mesh_shape, num_cores):
+    """The smallest sub-mesh shape (last axis first) that holds num_cores cores."""
+    shape, left = [1] * len(mesh_shape), num_cores
+    for axis in reversed(range(len(mesh_shape))):
+        take = min(mesh_shape[axis], left)
+        while left % take:
+            take -= 1
+        shape[axis], left = take, left // take
+    if left != 1:
+        raise ValueError(f'{num_cores} cores do not tile the TPU mesh {list(mesh_shape)}.')
+    return shape
 
 
 _mesh_stack = []

@@ -1,0 +1,35 @@
+"""Keep optimizer state next to the variables it updates.
+
+A Keras 3 optimizer creates its slot variables (momentum, velocity, ...) under the device scope
+that is current when it is built: with the cells' variables on K devices (or K worker
+processes) they would all land on the client, and every step would ship gradients and slots
+across. `build_optimizer` builds it with each slot on its variable's device; Keras already
+runs each variable's update colocated with the variable.
+"""
+
+import tensorflow as tf
+
+
+def _device_of(variable):
+    value = getattr(variable, 'value', variable)  # keras.Variable -> tf.Variable
+    return getattr(value, 'device', '') or ''
+
+
+def build_optimizer(optimizer, variables):
+    """Builds `optimizer` for `variables` with every slot on its variable's device."""
+    variables = list(variables)
+    if optimizer.built:
+        return optimizer
+    original = optimizer.add_variable_from_reference
+
+    def colocated(reference_variable, *args, **kwargs):
+        with tf.device(_device_of(reference_variable)):
+            return original(reference_variable, *args, **kwargs)
+
+    optimizer.add_variable_from_reference = colocated
+    try:
+        with tf.init_scope():
+            optimizer.build(variables)
+    finally:
+        del optimizer.add_variable_from_reference
+    return optimizer
