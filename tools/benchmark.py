@@ -27,7 +27,7 @@ POLICY = flags.DEFINE_enum('recompute', 'always', gpipe.RECOMPUTE_POLICIES, 'Rec
 LAYERS = flags.DEFINE_integer('layers', 16, 'FC layers.')
 WIDTH = flags.DEFINE_integer('width', 512, 'Layer width.')
 BATCH = flags.DEFINE_integer('batch_size', 2048, 'Examples per step.')
-STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps (after 2 warm-up steps).')
+STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps of each (after 2 warm-up steps).')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 
@@ -40,7 +40,8 @@ def _sub():
     ]
 
 
-def _time_step(devices, num_stages):
+def _step_fn(devices, num_stages):
+    """A compiled training step of the FC stack cut into `num_stages` stages on `devices`."""
     pipe = (
         gpipe.PipelinedLayer.Params()
         .Set(
@@ -67,14 +68,15 @@ def _time_step(devices, num_stages):
             v.assign_sub(1e-4 * g)  # runs where v lives: on its worker
         return loss
 
-    for _ in range(2):
+    for _ in range(2):  # trace, warm up
         step().numpy()
-    times = []
-    for _ in range(STEPS.value):
-        start = time.perf_counter()
-        step().numpy()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return step
+
+
+def _seconds(step):
+    start = time.perf_counter()
+    step().numpy()
+    return time.perf_counter() - start
 
 
 def measure():
@@ -82,8 +84,13 @@ def measure():
     with local_cluster.LocalCluster(k, cores=list(range(k))) as cluster:
         cluster.connect()
         devices = cluster.devices()
-        t1 = _time_step(devices, 1)
-        tk = _time_step(devices, k)
+        one, many = _step_fn(devices, 1), _step_fn(devices, k)
+        # Alternate the two so that drift in the machine's load hits both alike.
+        t1, tk = [], []
+        for _ in range(STEPS.value):
+            t1.append(_seconds(one))
+            tk.append(_seconds(many))
+    t1, tk = float(np.median(t1)), float(np.median(tk))
     speedup = t1 / tk
     bound = k * m / (m + k - 1)
     return dict(
