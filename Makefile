@@ -13,8 +13,10 @@ $(STAMP): setup.py
 	$(PY) -m pip install --quiet -e '.[test,plot]'
 	touch $(STAMP)
 
+# Trains the tiny Transformer LM: K=4 cells on 4 logical CPUs, M=8; loss falls, accuracy rises.
 demo: $(STAMP)
-	$(PY) tools/demo.py
+	$(PY) tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
+	  --num_logical_cpus=4 --mode=train_and_eval
 
 # Lint, then the whole suite on 2 workers. TF's C++ start-up lines (printed before it reads
 # TF_CPP_MIN_LOG_LEVEL, flushed at exit) are filtered from stderr so that pytest's summary stays

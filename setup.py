@@ -15,6 +15,7 @@ setup(
         'keras>=3',
         'tensorflow-datasets',
         'absl-py',
+        'tensorboard',
         'numpy',
     ],
     extras_require={

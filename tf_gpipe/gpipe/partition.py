@@ -129,6 +129,12 @@ def blocks(splits):
     return list(zip(starts, splits))
 
 
+def block_label(sub, start, end):
+    """'first .. last (n)' naming the layers sub[start:end] of a cell."""
+    names = sub[start].name if end - start == 1 else f'{sub[start].name} .. {sub[end - 1].name}'
+    return f'{names} ({end - start})'
+
+
 def partition_table(sub, splits, devices=None, input_shape=None):
     """A printable table: cell, layers, params, flops, activation bytes, device."""
     metas = None
@@ -139,8 +145,7 @@ def partition_table(sub, splits, devices=None, input_shape=None):
             metas = None
     rows = [('cell', 'layers', 'params', 'flops', 'act bytes', 'device')]
     for k, (a, b) in enumerate(blocks(splits)):
-        names = sub[a].name if b - a == 1 else f'{sub[a].name} .. {sub[b - 1].name}'
-        label = f'{names} ({b - a})'
+        label = block_label(sub, a, b)
         if metas:
             block = metas[a:b]
             stats = [

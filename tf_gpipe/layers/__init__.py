@@ -3,7 +3,7 @@
 from tf_gpipe.layers.attention import MultiHeadAttention
 from tf_gpipe.layers.conv import Conv2DLayer
 from tf_gpipe.layers.dropout import DropoutLayer
-from tf_gpipe.layers.embedding import EmbeddingLayer
+from tf_gpipe.layers.embedding import EmbeddingLayer, PositionalEmbeddingLayer
 from tf_gpipe.layers.fc import FCLayer
 from tf_gpipe.layers.keras_layer import KerasLayer
 from tf_gpipe.layers.normalization import BatchNormLayer, LayerNorm
@@ -23,6 +23,7 @@ __all__ = [
     'LayerNorm',
     'MultiHeadAttention',
     'PoolingLayer',
+    'PositionalEmbeddingLayer',
     'RepeatLayer',
     'SequentialLayer',
     'SoftmaxLayer',

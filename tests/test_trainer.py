@@ -1,0 +1,101 @@
+"""tools/trainer.py end to end: train (checkpoints, summaries, falling loss), eval, resume,
+inspect, and clear errors for a misspelt model or override."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = 'lm.synthetic.TransformerLmTiny'
+
+
+def _trainer(*args):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, 'tools', 'trainer.py'), *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def _scalars(event_dir, tag):
+    values = []
+    for path in sorted(glob.glob(os.path.join(event_dir, 'events.*'))):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            for v in event.summary.value:
+                if v.tag == tag:
+                    values.append((event.step, float(tf.make_ndarray(v.tensor))))
+    return sorted(values)
+
+
+def test_train_eval_resume(tmp_path):
+    logdir = str(tmp_path / 'lm')
+    fast = 'task.train.log_interval_steps=10; task.train.save_interval_steps=20'
+    run = _trainer(
+        f'--model={MODEL}',
+        f'--logdir={logdir}',
+        '--num_logical_cpus=4',
+        '--max_steps=40',
+        f'--params_override={fast}',
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert 'steps/s' in run.stderr and 'examples/s' in run.stderr
+    assert sorted(os.path.basename(p) for p in glob.glob(f'{logdir}/checkpoints/ckpt-*.index')) == [
+        'ckpt-20.index',
+        'ckpt-40.index',
+    ]
+    losses = _scalars(f'{logdir}/train', 'loss')
+    assert [s for s, _ in losses] == [10, 20, 30, 40]
+    assert losses[-1][1] < 0.5 * losses[0][1], losses
+    for tag in ('accuracy', 'learning_rate', 'grad_norm', 'steps_per_sec', 'examples_per_sec'):
+        assert _scalars(f'{logdir}/train', tag), tag
+
+    ev = _trainer(f'--model={MODEL}', f'--logdir={logdir}', '--num_logical_cpus=4', '--mode=eval')
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    accuracy = _scalars(f'{logdir}/eval', 'accuracy')
+    assert accuracy[0][0] == 40 and accuracy[0][1] > 0.3
+
+    more = _trainer(
+        f'--model={MODEL}',
+        f'--logdir={logdir}',
+        '--num_logical_cpus=4',
+        '--max_steps=50',
+        f'--params_override={fast}',
+    )
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert 'ckpt-40 (step 40)' in more.stderr and 'Training from step 40 to 50' in more.stderr
+    assert os.path.exists(f'{logdir}/checkpoints/ckpt-50.index')
+
+
+def test_inspect_and_errors():
+    params = _trainer(
+        f'--model={MODEL}',
+        '--mode=inspect_params',
+        '--params_override=task.pipeline.num_micro_batches=16',
+    )
+    assert params.returncode == 0, params.stderr[-2000:]
+    assert 'task.pipeline.num_micro_batches : 16' in params.stdout
+    assert 'train.batch_size : 64' in params.stdout
+    model = _trainer(f'--model={MODEL}', '--mode=inspect_model')
+    assert model.returncode == 0 and 'total parameters: 208,320' in model.stdout
+    typo = _trainer('--model=lm.synthetic.TransformerLmTni', '--mode=inspect_params')
+    assert typo.returncode == 1
+    assert "Did you mean 'lm.synthetic.TransformerLmTiny'?" in typo.stderr
+    bad = _trainer(
+        f'--model={MODEL}',
+        '--mode=inspect_params',
+        '--params_override=task.pipeline.num_micro_batch=4',
+    )
+    assert bad.returncode == 1 and "did you mean 'num_micro_batches'" in bad.stderr
+    wrong_type = _trainer(
+        f'--model={MODEL}',
+        '--mode=inspect_params',
+        '--params_override=task.pipeline.num_micro_batches=many',
+    )
+    assert wrong_type.returncode == 1 and 'expects an int' in wrong_type.stderr

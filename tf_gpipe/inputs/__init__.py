@@ -1,0 +1,6 @@
+"""Input generators: built-in synthetic tasks (offline) and tfds datasets."""
+
+from tf_gpipe.inputs.base_input import BaseInputGenerator
+from tf_gpipe.inputs.synthetic import SyntheticLm
+
+__all__ = ['BaseInputGenerator', 'SyntheticLm']

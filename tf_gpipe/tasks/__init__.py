@@ -1,0 +1,6 @@
+"""Tasks: a pipelined network with its loss, metrics, learner and loop settings."""
+
+from tf_gpipe.tasks.base_task import BaseTask
+from tf_gpipe.tasks.lm import LanguageModel
+
+__all__ = ['BaseTask', 'LanguageModel']

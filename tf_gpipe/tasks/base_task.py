@@ -1,0 +1,70 @@
+"""BaseTask: a network, its loss and metrics, the learner and the loop settings."""
+
+from tf_gpipe import base_layer, hyperparams
+from tf_gpipe.gpipe import PipelinedLayer
+from tf_gpipe.trainer.learner import Learner
+
+
+def PipelineParams():
+    """The pipeline settings a task exposes (copied into its PipelinedLayer)."""
+    p = hyperparams.Params()
+    p.Define('num_partitions', 1, 'K: cells, each on its own device.')
+    p.Define('num_micro_batches', 1, 'M: micro-batches per batch.')
+    p.Define('recompute', 'except_last', "'always', 'except_last' or 'never'.")
+    p.Define('partition_by', 'flops', "'flops', 'params', 'activation_bytes', 'uniform', 'time'.")
+    p.Define('splits', None, 'Explicit ending layer indices (overrides partition_by).')
+    p.Define('num_replicas', 1, 'R: data-parallel replicas of the pipeline.')
+    p.Define('jit_compile', False, 'XLA for each cell.')
+    return p
+
+
+def TrainParams():
+    p = hyperparams.Params()
+    p.Define('max_steps', 1000, 'Training stops at this global step.')
+    p.Define('log_interval_steps', 20, 'Log and write summaries every this many steps.')
+    p.Define('save_interval_steps', 200, 'Checkpoint every this many steps (and at the end).')
+    p.Define('eval_interval_steps', 200, "Evaluate every this many steps ('train_and_eval').")
+    p.Define('eval_steps', 4, 'Batches per evaluation.')
+    p.Define('max_checkpoints_to_keep', 5, 'Older checkpoints are deleted.')
+    return p
+
+
+def PipelinedParamsFor(task_params, sub, input_shape):
+    """PipelinedLayer params for layer list `sub` from a task's pipeline settings."""
+    pp = task_params.pipeline
+    return PipelinedLayer.Params().Set(
+        name='network',
+        sub=sub,
+        input_shape=input_shape,
+        num_partitions=pp.num_partitions,
+        num_micro_batches=pp.num_micro_batches,
+        recompute=pp.recompute,
+        partition_by=pp.partition_by,
+        splits=pp.splits,
+        num_replicas=pp.num_replicas,
+        jit_compile=pp.jit_compile,
+    )
+
+
+class BaseTask(base_layer.BaseLayer):
+    """Subclasses build `self.network` (a PipelinedLayer) and define FPropTower(batch)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('pipeline', PipelineParams(), 'Pipeline settings.')
+        p.Define('learner', Learner.Params(), 'Optimizer and schedule.')
+        p.Define('train', TrainParams(), 'Training loop settings.')
+        return p
+
+    def FPropTower(self, batch):
+        """NestedMap(loss=scalar, metrics=NestedMap of scalars, num_examples=int)."""
+        raise NotImplementedError
+
+    def RegularizedVariables(self):
+        """Trainable variables of layers that do not set skip_lp_regularization."""
+        out = []
+        for layer in self.AllLayers():
+            if not layer.params.skip_lp_regularization:
+                out.extend(layer.vars[k] for k in sorted(layer.vars) if layer.vars[k].trainable)
+        return out

@@ -1,0 +1,76 @@
+"""Transformer language model: embedding, L Transformer layers, softmax — one pipeline."""
+
+import tensorflow as tf
+
+from tf_gpipe import layers
+from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.tasks import base_task
+
+
+class LanguageModel(base_task.BaseTask):
+    """Predicts token t+1 from tokens <= t. Batch: NestedMap(ids, labels, weights) [B, T]."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', 0, 'Token ids.')
+        p.Define('model_dim', 0, 'Model dimension.')
+        p.Define('num_layers', 1, 'Transformer layers.')
+        p.Define('max_seq_len', 128, 'Sequence length used to estimate layer costs.')
+        p.Define(
+            'layer_tpl',
+            layers.TransformerLayer.Params().Set(causal=True),
+            'Template of every Transformer layer (input_dim and name are set).',
+        )
+        p.Define('label_smoothing', 0.0, 'Label smoothing of the loss.')
+        return p
+
+    @classmethod
+    def LayerParams(cls, p):
+        """The flat layer list the pipeline cuts into cells."""
+        sub = [
+            layers.EmbeddingLayer.Params().Set(
+                name='emb',
+                vocab_size=p.vocab_size,
+                embedding_dim=p.model_dim,
+                scale_sqrt_depth=True,
+            ),
+            layers.PositionalEmbeddingLayer.Params().Set(name='pos', embedding_dim=p.model_dim),
+        ]
+        for i in range(p.num_layers):
+            sub.append(p.layer_tpl.Copy().Set(name=f'layer{i:02d}', input_dim=p.model_dim))
+        sub.append(layers.LayerNorm.Params().Set(name='final_ln', input_dim=p.model_dim))
+        sub.append(
+            layers.SoftmaxLayer.Params().Set(
+                name='softmax',
+                input_dim=p.model_dim,
+                num_classes=p.vocab_size,
+                label_smoothing=p.label_smoothing,
+            )
+        )
+        return sub
+
+    @classmethod
+    def NetworkParams(cls, p):
+        pp = p.pipeline
+        nominal_batch = max(pp.num_micro_batches * pp.num_replicas, 1)
+        return base_task.PipelinedParamsFor(p, cls.LayerParams(p), (nominal_batch, p.max_seq_len))
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.params
+        for name in ('vocab_size', 'model_dim'):
+            if p.Get(name) <= 0:
+                raise ValueError(f'LanguageModel: set {name} (got {p.Get(name)}).')
+        self.CreateChild('network', self.NetworkParams(p))
+
+    def FPropTower(self, batch):
+        logits = self.network.FProp(batch.ids)
+        softmax = self.network.cells[-1].sub[-1]
+        with tf.device(self.network.devices[-1]):  # loss and metrics on the last stage
+            xent = softmax.XentLoss(logits, batch.labels, batch.weights)
+            predicted = tf.argmax(logits, -1, output_type=tf.int32)
+            correct = tf.cast(tf.equal(predicted, batch.labels), tf.float32) * batch.weights
+            accuracy = tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
+            metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy, log_pplx=xent.avg_xent)
+        return NestedMap(loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.ids)[0])

@@ -1,0 +1,1 @@
+"""Training library: learner and the train / eval / inspect loop (tools/trainer.py is the CLI)."""

@@ -1,0 +1,104 @@
+"""Learner: optimizer, learning-rate schedule, gradient clipping and L2 regularisation."""
+
+import math
+
+import keras
+import tensorflow as tf
+
+from tf_gpipe import hyperparams, placement
+from tf_gpipe.nested_map import NestedMap
+
+OPTIMIZERS = ('sgd', 'momentum', 'adam', 'rmsprop')
+SCHEDULES = ('constant', 'warmup_rsqrt', 'cosine')
+
+
+class _Schedule(keras.optimizers.schedules.LearningRateSchedule):
+    """constant; warmup_rsqrt (linear warm-up, then lr * sqrt(warmup / step)); cosine."""
+
+    def __init__(self, p):
+        self._p = p
+
+    def __call__(self, step):
+        p = self._p
+        step = tf.cast(step, tf.float32) + 1.0
+        lr = tf.constant(p.learning_rate, tf.float32)
+        warmup = float(max(p.warmup_steps, 0))
+        if p.schedule == 'constant':
+            factor = tf.minimum(1.0, step / warmup) if warmup else 1.0
+        elif p.schedule == 'warmup_rsqrt':
+            warm = max(warmup, 1.0)
+            factor = tf.minimum(step / warm, tf.math.rsqrt(step / warm))
+        else:  # cosine
+            total = float(max(p.total_steps, 1))
+            progress = tf.clip_by_value((step - warmup) / max(total - warmup, 1.0), 0.0, 1.0)
+            factor = 0.5 * (1.0 + tf.cos(math.pi * progress))
+            if warmup:
+                factor = tf.where(step < warmup, step / warmup, factor)
+        return lr * factor
+
+    def get_config(self):
+        return {'schedule': self._p.ToText()}
+
+
+class Learner:
+    """Turns gradients into a variable update."""
+
+    @classmethod
+    def Params(cls):
+        p = hyperparams.InstantiableParams(cls)
+        p.Define('optimizer', 'adam', f'One of {OPTIMIZERS}.')
+        p.Define('learning_rate', 1e-3, 'Peak learning rate.')
+        p.Define('schedule', 'constant', f'One of {SCHEDULES}.')
+        p.Define('warmup_steps', 0, 'Linear warm-up steps.')
+        p.Define('total_steps', 0, "Steps of the 'cosine' schedule.")
+        p.Define('momentum', 0.9, "Momentum of 'momentum' and 'rmsprop'.")
+        p.Define('beta1', 0.9, 'Adam beta1.')
+        p.Define('beta2', 0.98, 'Adam beta2.')
+        p.Define('epsilon', 1e-8, 'Optimizer epsilon.')
+        p.Define('clip_gradient_norm', 0.0, 'Clip gradients to this global norm; 0: no clipping.')
+        p.Define('l2_regularizer_weight', 0.0, 'L2 weight on variables of regularised layers.')
+        return p
+
+    def __init__(self, params):
+        p = self.params = params.Copy().Freeze()
+        if p.optimizer not in OPTIMIZERS:
+            raise ValueError(f'learner.optimizer must be one of {OPTIMIZERS}, got {p.optimizer!r}.')
+        if p.schedule not in SCHEDULES:
+            raise ValueError(f'learner.schedule must be one of {SCHEDULES}, got {p.schedule!r}.')
+        self.schedule = _Schedule(p)
+        if p.optimizer == 'sgd':
+            self.optimizer = keras.optimizers.SGD(self.schedule)
+        elif p.optimizer == 'momentum':
+            self.optimizer = keras.optimizers.SGD(self.schedule, momentum=p.momentum)
+        elif p.optimizer == 'adam':
+            self.optimizer = keras.optimizers.Adam(
+                self.schedule, beta_1=p.beta1, beta_2=p.beta2, epsilon=p.epsilon
+            )
+        else:
+            self.optimizer = keras.optimizers.RMSprop(
+                self.schedule, momentum=p.momentum, epsilon=p.epsilon
+            )
+
+    def Build(self, variables):
+        """Creates the optimizer's slots, each on its variable's device."""
+        placement.build_optimizer(self.optimizer, variables)
+
+    def Apply(self, grads, variables, regularized=()):
+        """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate)."""
+        p = self.params
+        grads = [
+            tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
+            for g, v in zip(grads, variables)
+        ]
+        if p.l2_regularizer_weight:
+            reg = {v.ref() for v in regularized}
+            grads = [
+                g + p.l2_regularizer_weight * v if v.ref() in reg else g
+                for g, v in zip(grads, variables)
+            ]
+        grad_norm = tf.linalg.global_norm(grads)
+        if p.clip_gradient_norm:
+            grads, _ = tf.clip_by_global_norm(grads, p.clip_gradient_norm, use_norm=grad_norm)
+        lr = self.schedule(self.optimizer.iterations)
+        self.optimizer.apply_gradients(zip(grads, variables))
+        return NestedMap(grad_norm=grad_norm, learning_rate=lr)

@@ -1,0 +1,116 @@
+"""Trains, evaluates or inspects a registered model.
+
+    python tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
+        --num_logical_cpus=4 --params_override='task.pipeline.num_micro_batches=16'
+
+Modes: train | eval | train_and_eval | inspect_params | inspect_model. Checkpoints go to
+<logdir>/checkpoints (a restart resumes from the latest), TensorBoard summaries to
+<logdir>/train and <logdir>/eval.
+"""
+
+import os
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+from absl import app, flags, logging  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, ROOT)
+
+from tf_gpipe import cluster, hyperparams, model_registry  # noqa: E402
+
+MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model')
+MODEL = flags.DEFINE_string(
+    'model', None, 'Registered model key, e.g. lm.synthetic.TransformerLmTiny.'
+)
+LOGDIR = flags.DEFINE_string('logdir', None, 'Directory for checkpoints and summaries.')
+MODE = flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
+OVERRIDE = flags.DEFINE_string(
+    'params_override', '', "e.g. 'task.pipeline.num_micro_batches=16; train.batch_size=32'."
+)
+PARAMS_DIR = flags.DEFINE_string(
+    'params_dir', None, 'Extra directory of params/<task>/<file>.py files.'
+)
+MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
+CPUS = flags.DEFINE_integer('num_logical_cpus', None, 'Split the CPU into this many devices.')
+TPU = flags.DEFINE_string('tpu', None, 'TPU name or address (cells on TPU cores; untested here).')
+CLUSTER_SPEC = flags.DEFINE_string(
+    'cluster_spec', None, "'worker=h0:2222,h1:2222' (or TF_CONFIG); stage k on worker k."
+)
+
+
+def _model_params():
+    from tf_gpipe.trainer import trainer
+
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    if PARAMS_DIR.value:
+        model_registry.LoadParamsDir(PARAMS_DIR.value)
+    model = model_registry.GetClass(MODEL.value)()
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    hyperparams.apply_overrides(p, OVERRIDE.value)
+    if MAX_STEPS.value is not None:
+        p.task.train.max_steps = MAX_STEPS.value
+    return p
+
+
+def _connect():
+    """Joins a TF cluster (--cluster_spec, TF_CONFIG or --tpu) so its devices are usable."""
+    import json
+
+    import tensorflow as tf
+
+    if TPU.value:
+        mesh = cluster.DeviceMesh.from_tpu(cluster.tpu_device_assignment(1))
+        return cluster.use_mesh(mesh)
+    spec = None
+    if CLUSTER_SPEC.value:
+        spec = {}
+        for job in CLUSTER_SPEC.value.split(';'):
+            name, hosts = job.split('=', 1)
+            spec[name.strip()] = hosts.split(',')
+    elif 'TF_CONFIG' in os.environ:
+        spec = json.loads(os.environ['TF_CONFIG'])['cluster']
+    if spec is None:
+        return None
+    spec.setdefault('client', ['localhost:0'])
+    tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name='client')
+    return cluster.use_mesh(cluster.DeviceMesh.from_cluster(spec))
+
+
+def main(argv):
+    del argv
+    if not MODEL.value:
+        raise app.UsageError('--model is required (e.g. lm.synthetic.TransformerLmTiny).')
+    if CPUS.value:
+        cluster.logical_cpus(CPUS.value)
+    try:
+        p = _model_params()
+    except (LookupError, AttributeError, ValueError, FileNotFoundError) as e:
+        sys.exit(f'trainer: {e}')  # a clear message and exit status 1, no traceback
+    from tf_gpipe.trainer import trainer
+
+    if MODE.value == 'inspect_params':
+        print(p.ToText(), end='')
+        return
+    if MODE.value == 'inspect_model':
+        table, _ = trainer.InspectModel(p.task)
+        print(table)
+        return
+    if not LOGDIR.value:
+        raise app.UsageError('--logdir is required for train and eval.')
+    mesh_scope = _connect()
+    t = trainer.Trainer(p, LOGDIR.value)
+    if mesh_scope is not None:
+        with mesh_scope:
+            t._Build()
+    if MODE.value == 'eval':
+        t.Evaluate()
+    else:
+        last = t.Train(eval_too=MODE.value == 'train_and_eval')
+        logging.info('Done: %s', last)
+
+
+if __name__ == '__main__':
+    app.run(main)
