@@ -51,7 +51,7 @@ def test_train_eval_resume(tmp_path):
         'ckpt-40.index',
     ]
     losses = _scalars(f'{logdir}/train', 'loss')
-    assert [s for s, _ in losses] == [10, 20, 30, 40]
+    assert [s for s, _ in losses] == [1, 10, 20, 30, 40]
     assert losses[-1][1] < 0.5 * losses[0][1], losses
     for tag in ('accuracy', 'learning_rate', 'grad_norm', 'steps_per_sec', 'examples_per_sec'):
         assert _scalars(f'{logdir}/train', tag), tag

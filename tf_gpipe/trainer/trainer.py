@@ -97,12 +97,12 @@ class Trainer:
         tp = self.params.task.train
         writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'train'))
         step = int(self.global_step)
-        last, start, start_step = {}, time.time(), step
+        last, start, start_step, first = {}, time.time(), step, step + 1
         logging.info('Training from step %d to %d.', step, tp.max_steps)
         while step < tp.max_steps:
             out = self._train_step()
             step = int(self.global_step)
-            if step % tp.log_interval_steps == 0 or step == tp.max_steps:
+            if step % tp.log_interval_steps == 0 or step in (first, tp.max_steps):
                 elapsed = max(time.time() - start, 1e-9)
                 steps_per_sec = (step - start_step) / elapsed
                 examples_per_sec = steps_per_sec * int(out.num_examples)
