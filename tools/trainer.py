@@ -95,7 +95,7 @@ def main(argv):
         print(p.ToText(), end='')
         return
     if MODE.value == 'inspect_model':
-        table, _ = trainer.InspectModel(p.task)
+        table, _ = trainer.InspectModel(p.task, p.train)
         print(table)
         return
     if not LOGDIR.value:

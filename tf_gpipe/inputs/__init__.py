@@ -2,5 +2,6 @@
 
 from tf_gpipe.inputs.base_input import BaseInputGenerator
 from tf_gpipe.inputs.synthetic import SyntheticLm
+from tf_gpipe.inputs.tfds_input import TfdsInput, TfdsLm
 
-__all__ = ['BaseInputGenerator', 'SyntheticLm']
+__all__ = ['BaseInputGenerator', 'SyntheticLm', 'TfdsInput', 'TfdsLm']

@@ -57,6 +57,11 @@ class BaseTask(base_layer.BaseLayer):
         p.Define('train', TrainParams(), 'Training loop settings.')
         return p
 
+    @classmethod
+    def InputShape(cls, task_p, input_p):
+        """The network's input shape for batches of `input_p` (None: unknown)."""
+        return None
+
     def FPropTower(self, batch):
         """NestedMap(loss=scalar, metrics=NestedMap of scalars, num_examples=int)."""
         raise NotImplementedError

@@ -56,6 +56,10 @@ class LanguageModel(base_task.BaseTask):
         nominal_batch = max(pp.num_micro_batches * pp.num_replicas, 1)
         return base_task.PipelinedParamsFor(p, cls.LayerParams(p), (nominal_batch, p.max_seq_len))
 
+    @classmethod
+    def InputShape(cls, task_p, input_p):
+        return (input_p.batch_size, input_p.seq_len)
+
     def __init__(self, params):
         super().__init__(params)
         p = self.params

@@ -46,8 +46,10 @@ class Trainer:
         self.learner.Build(self.variables)
         self.regularized = self.task.RegularizedVariables()
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
+        # An input whose position is state (a tf.data iterator) is checkpointed with the model.
+        items = getattr(self.train_input, 'CheckpointItems', dict)()
         self.checkpoint = tf.train.Checkpoint(
-            task=self.task, optimizer=self.learner.optimizer, global_step=self.global_step
+            task=self.task, optimizer=self.learner.optimizer, global_step=self.global_step, **items
         )
         self.manager = tf.train.CheckpointManager(
             self.checkpoint,
@@ -163,9 +165,14 @@ class Trainer:
         return totals
 
 
-def InspectModel(task_p):
-    """The partition table, parameter count and a memory estimate per cell — nothing built."""
-    network_p = task_p.cls.NetworkParams(task_p)
+def InspectModel(task_p, input_p=None):
+    """The partition table, parameter count and a memory estimate per cell — nothing built.
+
+    With the training input's params, activations are estimated for its real batch shape.
+    """
+    network_p = task_p.cls.NetworkParams(task_p).Copy()
+    if input_p is not None and task_p.cls.InputShape(task_p, input_p) is not None:
+        network_p.input_shape = task_p.cls.InputShape(task_p, input_p)
     cells, splits, sub = PipelinedLayer._CellParams(network_p)
     if sub is None:
         sub, splits = [c for c in cells], list(range(1, len(cells) + 1))

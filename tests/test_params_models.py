@@ -1,0 +1,34 @@
+"""Every registered model's params: inspect_model works without building the model, and the
+parameter count it reports matches what the config implies."""
+
+import os
+
+import pytest
+
+from tf_gpipe import model_registry
+from tf_gpipe.trainer import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+
+
+def _lm_params(p):
+    d, h, v = p.model_dim, p.layer_tpl.hidden_dim or 4 * p.model_dim, p.vocab_size
+    per_layer = 4 * d * d + 4 * d + 2 * 2 * d + d * h + h + h * d + d
+    return v * d + p.num_layers * per_layer + 2 * d + d * v + v
+
+
+@pytest.mark.parametrize('key', model_registry.GetAllRegisteredKeys())
+def test_inspect_model_without_building(key):
+    task_p, input_p = model_registry.GetParams(key)
+    table, total = trainer.InspectModel(task_p, input_p)
+    assert f'total parameters: {total:,}' in table
+    if key.startswith('lm.'):
+        assert total == _lm_params(task_p)
+    assert len(table.splitlines()) == task_p.pipeline.num_partitions + 3
+
+
+def test_paper_scale_lm_is_large():
+    task_p, _ = model_registry.GetParams('lm.lm1b.TransformerLmPaper')
+    _, total = trainer.InspectModel(task_p)
+    assert 1.2e9 < total < 1.4e9

@@ -1,0 +1,84 @@
+"""tfds-backed input generators (real datasets through `tfds.load`, with `data_dir`)."""
+
+import tensorflow as tf
+
+from tf_gpipe.inputs import base_input
+from tf_gpipe.nested_map import NestedMap
+
+
+class TfdsInput(base_input.BaseInputGenerator):
+    """Batches from `tfds.load(dataset, split, data_dir)`; subclasses preprocess examples.
+
+    The tf.data iterator is part of the trainer's checkpoint (`CheckpointItems`), so a restarted
+    run continues where the data stream stopped.
+    """
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('dataset', '', 'tfds dataset name, e.g. lm1b or cifar10.')
+        p.Define('split', 'train', 'tfds split.')
+        p.Define('data_dir', None, 'tfds data directory (None: tfds default).')
+        p.Define('shuffle_buffer', 10000, 'Examples in the shuffle buffer; 0: no shuffling.')
+        p.Define('repeat', True, 'Loop over the split forever.')
+        return p
+
+    def __init__(self, params):
+        super().__init__(params)
+        self._iterator = None
+
+    def Preprocess(self, example):
+        """One tfds example -> one NestedMap of tensors (fixed shapes)."""
+        raise NotImplementedError
+
+    def Dataset(self):
+        import tensorflow_datasets as tfds
+
+        p = self.params
+        ds = tfds.load(
+            p.dataset, split=p.split, data_dir=p.data_dir, shuffle_files=bool(p.shuffle_buffer)
+        )
+        if p.repeat:
+            ds = ds.repeat()
+        if p.shuffle_buffer:
+            ds = ds.shuffle(p.shuffle_buffer, seed=p.seed)
+        ds = ds.map(self.Preprocess, num_parallel_calls=tf.data.AUTOTUNE)
+        return ds.batch(p.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE)
+
+    def _Iterator(self):
+        if self._iterator is None:
+            with tf.init_scope():
+                self._iterator = iter(self.Dataset())
+        return self._iterator
+
+    def GetBatch(self, step):
+        del step  # the iterator's position is the stream's state (checkpointed)
+        return next(self._Iterator())
+
+    def CheckpointItems(self):
+        return {'input_iterator': self._Iterator()}
+
+
+class TfdsLm(TfdsInput):
+    """Text datasets (lm1b: feature 'text') as byte-level LM examples: ids 1..256, 0 = pad."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('text_feature', 'text', 'Feature holding the text.')
+        p.Define('seq_len', 128, 'Tokens per example (longer texts are cut).')
+        p.dataset = 'lm1b'
+        return p
+
+    @staticmethod
+    def VocabSize():
+        return 257
+
+    def Preprocess(self, example):
+        p = self.params
+        data = tf.io.decode_raw(example[p.text_feature], tf.uint8)
+        tokens = tf.cast(data[: p.seq_len + 1], tf.int32) + 1
+        tokens = tf.pad(tokens, [[0, p.seq_len + 1 - tf.shape(tokens)[0]]])
+        tokens.set_shape([p.seq_len + 1])
+        labels = tokens[1:]
+        return NestedMap(ids=tokens[:-1], labels=labels, weights=tf.cast(labels > 0, tf.float32))
