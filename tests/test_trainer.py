@@ -86,7 +86,7 @@ def test_inspect_and_errors():
     assert model.returncode == 0 and 'total parameters: 208,320' in model.stdout
     typo = _trainer('--model=lm.synthetic.TransformerLmTni', '--mode=inspect_params')
     assert typo.returncode == 1
-    assert "Did you mean 'lm.synthetic.TransformerLmTiny'?" in typo.stderr
+    assert "Did you mean 'lm.synthetic.TransformerLmTiny'" in typo.stderr
     bad = _trainer(
         f'--model={MODEL}',
         '--mode=inspect_params',
