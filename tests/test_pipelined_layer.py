@@ -378,21 +378,7 @@ def test_each_device_runs_its_actions_in_schedule_order(policy):
 
 
 def _replicated(sub, r, k, m, policy='always', **kw):
-    return (
-        gpipe.PipelinedLayer.Params()
-        .Set(
-            name='pipe',
-            sub=sub,
-            num_partitions=k,
-            partition_by='uniform',
-            num_micro_batches=m,
-            num_replicas=r,
-            recompute=policy,
-            random_seed=1,
-        )
-        .Set(**kw)
-        .Instantiate()
-    )
+    return _pipe(sub, k, m, policy, num_replicas=r, **kw)
 
 
 def test_data_x_pipeline_r2_k2_equals_single_device_training():
