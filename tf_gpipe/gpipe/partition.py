@@ -156,6 +156,11 @@ def partition_table(sub, splits, devices=None, input_shape=None):
         else:
             stats = ['?', '?', '?']
         rows.append((str(k), label, *stats, devices[k] if devices else '-'))
+    return format_table(rows)
+
+
+def format_table(rows):
+    """Left-aligned columns, a rule under the header row."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, '  '.join('-' * w for w in widths))

@@ -195,9 +195,7 @@ def InspectModel(task_p, input_p=None):
                 f'{act_mb:.2f}',
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    lines.insert(1, '  '.join('-' * w for w in widths))
+    lines = [partition.format_table(rows)]
     lines.append(
         f'total parameters: {total:,}  (activation estimate for input shape '
         f'{tuple(network_p.input_shape)})'
