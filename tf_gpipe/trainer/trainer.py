@@ -189,7 +189,7 @@ def InspectModel(task_p, input_p=None):
         rows.append(
             (
                 str(k),
-                f'{sub[a].name} .. {sub[b - 1].name} ({b - a})',
+                partition.block_label(sub, a, b),
                 f'{params:,}',
                 f'{param_mb:.1f}',
                 f'{act_mb:.2f}',
