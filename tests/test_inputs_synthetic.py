@@ -32,3 +32,18 @@ def test_the_language_rule():
         (ids[:, 2:] - ids[:, 1:-1]) % 50, np.repeat(stride[:, None], 8, axis=1)
     )
     assert abs(_gen().BestAccuracy() - (9 + 1 / 3) / 10) < 1e-9
+
+
+def test_synthetic_translation():
+    batch = inputs.SyntheticMt.Params().Set(batch_size=32, seq_len=8).Instantiate().GetBatch(2)
+    src, tgt_in, labels = batch.src_ids.numpy(), batch.tgt_ids.numpy(), batch.labels.numpy()
+    weights = batch.weights.numpy()
+    for i in range(32):
+        n = int(weights[i].sum())
+        assert (src[i, n:] == 0).all() and (src[i, :n] >= 3).all()
+        lang = tgt_in[i, 0]
+        want = src[i, :n] if lang == 1 else src[i, :n][::-1]
+        np.testing.assert_array_equal(labels[i, :n], want)
+        np.testing.assert_array_equal(tgt_in[i, 1:n], labels[i, : n - 1])
+    assert set(tgt_in[:, 0]) == {1, 2}  # both target languages occur
+    np.testing.assert_array_equal(batch.src_paddings.numpy(), 1.0 - weights)

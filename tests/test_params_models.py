@@ -18,6 +18,22 @@ def _lm_params(p):
     return v * d + p.num_layers * per_layer + 2 * d + d * v + v
 
 
+def _mt_params(p):
+    d, h, v = p.model_dim, p.layer_tpl.hidden_dim or 4 * p.model_dim, p.vocab_size
+    encoder_layer = 4 * d * d + 4 * d + 2 * 2 * d + d * h + h + h * d + d
+    decoder_layer = encoder_layer + 4 * d * d + 4 * d + 2 * d
+    return (
+        v * d
+        + p.num_encoder_layers * encoder_layer
+        + v * d
+        + 2 * d
+        + p.num_decoder_layers * decoder_layer
+        + 2 * d
+        + d * v
+        + v
+    )
+
+
 @pytest.mark.parametrize('key', model_registry.GetAllRegisteredKeys())
 def test_inspect_model_without_building(key):
     task_p, input_p = model_registry.GetParams(key)
@@ -25,6 +41,8 @@ def test_inspect_model_without_building(key):
     assert f'total parameters: {total:,}' in table
     if key.startswith('lm.'):
         assert total == _lm_params(task_p)
+    if key.startswith('mt.'):
+        assert total == _mt_params(task_p)
     assert len(table.splitlines()) == task_p.pipeline.num_partitions + 3
 
 

@@ -1,7 +1,7 @@
 """Input generators: built-in synthetic tasks (offline) and tfds datasets."""
 
 from tf_gpipe.inputs.base_input import BaseInputGenerator
-from tf_gpipe.inputs.synthetic import SyntheticLm
+from tf_gpipe.inputs.synthetic import SyntheticLm, SyntheticMt
 from tf_gpipe.inputs.tfds_input import TfdsInput, TfdsLm
 
-__all__ = ['BaseInputGenerator', 'SyntheticLm', 'TfdsInput', 'TfdsLm']
+__all__ = ['BaseInputGenerator', 'SyntheticLm', 'SyntheticMt', 'TfdsInput', 'TfdsLm']

@@ -43,3 +43,47 @@ class SyntheticLm(base_input.BaseInputGenerator):
         """The accuracy of a model that knows the rule."""
         p = self.params
         return (p.seq_len - 1 + 1.0 / p.max_stride) / p.seq_len
+
+
+class SyntheticMt(base_input.BaseInputGenerator):
+    """Multilingual 'translation' offline: the target language token says copy or reverse.
+
+    Token 0 is padding, 1 and 2 are the target-language tokens (1: copy, 2: reverse the
+    source), 3.. are words. Sources have random lengths in [min_len, seq_len] (paddings mark the
+    rest). Decoder input = [language token] + target[:-1]; labels = target.
+    """
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', 32, 'Ids, including pad and the two language tokens.')
+        p.Define('seq_len', 12, 'Maximum source / target length.')
+        p.Define('min_len', 4, 'Minimum source length.')
+        return p
+
+    def GetBatch(self, step):
+        p = self.params
+        seed = tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
+        fold = tf.random.experimental.stateless_fold_in
+        words = tf.random.stateless_uniform(
+            [p.batch_size, p.seq_len], seed, 3, p.vocab_size, tf.int32
+        )
+        lengths = tf.random.stateless_uniform(
+            [p.batch_size], fold(seed, 1), p.min_len, p.seq_len + 1, tf.int32
+        )
+        reverse = tf.random.stateless_uniform([p.batch_size], fold(seed, 2), 0, 2, tf.int32)
+        mask = tf.sequence_mask(lengths, p.seq_len)
+        src = tf.where(mask, words, 0)
+        reversed_src = tf.reverse_sequence(src, lengths, seq_axis=1, batch_axis=0)
+        tgt = tf.where(reverse[:, None] > 0, reversed_src, src)
+        lang = 1 + reverse
+        tgt_in = tf.concat([lang[:, None], tgt[:, :-1]], axis=1)
+        weights = tf.cast(mask, tf.float32)
+        return NestedMap(
+            src_ids=src,
+            src_paddings=1.0 - weights,
+            tgt_ids=tf.where(mask, tgt_in, 0),
+            tgt_paddings=1.0 - weights,
+            labels=tgt,
+            weights=weights,
+        )

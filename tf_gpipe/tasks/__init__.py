@@ -2,5 +2,6 @@
 
 from tf_gpipe.tasks.base_task import BaseTask
 from tf_gpipe.tasks.lm import LanguageModel
+from tf_gpipe.tasks.mt import TranslationModel
 
-__all__ = ['BaseTask', 'LanguageModel']
+__all__ = ['BaseTask', 'LanguageModel', 'TranslationModel']

@@ -196,10 +196,9 @@ def InspectModel(task_p, input_p=None):
             )
         )
     lines = [partition.format_table(rows)]
-    lines.append(
-        f'total parameters: {total:,}  (activation estimate for input shape '
-        f'{tuple(network_p.input_shape)})'
-    )
+    shape = network_p.input_shape
+    shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
+    lines.append(f'total parameters: {total:,}  (activation estimate for input shape {shape})')
     return '\n'.join(lines), total
 
 

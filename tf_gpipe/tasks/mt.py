@@ -1,0 +1,203 @@
+"""Transformer encoder-decoder for (multilingual) translation — one pipeline.
+
+The layer list is: source embedding, encoder layers, a bridge that moves the encoder output
+into `aux_vecs` and embeds the target, decoder layers (cross-attending to `aux_vecs`), output.
+Between cells the state is one NestedMap, so the encoder output (and the target ids, while the
+encoder runs) travel through the pipeline with the activations.
+"""
+
+import tensorflow as tf
+
+from tf_gpipe import base_layer, layers
+from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.tasks import base_task
+
+
+def _emb_and_pos(layer, dim, vocab):
+    layer.CreateChild(
+        'emb',
+        layers.EmbeddingLayer.Params().Set(
+            name='emb', vocab_size=vocab, embedding_dim=dim, scale_sqrt_depth=True
+        ),
+    )
+    layer.CreateChild(
+        'pos', layers.PositionalEmbeddingLayer.Params().Set(name='pos', embedding_dim=dim)
+    )
+
+
+class _MtLayer(base_layer.BaseLayer):
+    """Base of the translation-specific layers: vocabulary and model dimension."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', 0, 'Ids.')
+        p.Define('model_dim', 0, 'Model dimension.')
+        return p
+
+
+class MtSourceLayer(_MtLayer):
+    """Batch NestedMap(src_ids, src_paddings, tgt_ids, tgt_paddings) -> encoder state."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        _emb_and_pos(self, self.params.model_dim, self.params.vocab_size)
+
+    def FProp(self, batch):
+        return NestedMap(
+            vecs=self.pos.FProp(self.emb.FProp(batch.src_ids)),
+            paddings=batch.src_paddings,
+            tgt_ids=batch.tgt_ids,
+            tgt_paddings=batch.tgt_paddings,
+        )
+
+    @classmethod
+    def FPropMeta(cls, p, batch):
+        batch = base_layer.to_shape(batch)
+        b, t = batch['src_ids'].as_list()
+        vecs = tf.TensorShape([b, t, p.model_dim])
+        out = NestedMap(
+            vecs=vecs,
+            paddings=batch['src_paddings'],
+            tgt_ids=batch['tgt_ids'],
+            tgt_paddings=batch['tgt_paddings'],
+        )
+        n = b * t * p.model_dim
+        return base_layer.Meta(2 * n, out, p.vocab_size * p.model_dim, 4 * n)
+
+
+class MtBridgeLayer(_MtLayer):
+    """Encoder state -> decoder state: aux_vecs = LN(encoder output), vecs = target embedding."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.params
+        self.CreateChild('ln', layers.LayerNorm.Params().Set(name='ln', input_dim=p.model_dim))
+        _emb_and_pos(self, p.model_dim, p.vocab_size)
+
+    def FProp(self, state):
+        return NestedMap(
+            vecs=self.pos.FProp(self.emb.FProp(state.tgt_ids)),
+            paddings=state.tgt_paddings,
+            aux_vecs=self.ln.FProp(state.vecs),
+            aux_paddings=state.paddings,
+        )
+
+    @classmethod
+    def FPropMeta(cls, p, state):
+        state = base_layer.to_shape(state)
+        b, t = state['tgt_ids'].as_list()
+        out = NestedMap(
+            vecs=tf.TensorShape([b, t, p.model_dim]),
+            paddings=state['tgt_paddings'],
+            aux_vecs=state['vecs'],
+            aux_paddings=state['paddings'],
+        )
+        n = b * t * p.model_dim + base_layer.num_elements(state['vecs'])
+        return base_layer.Meta(10 * n, out, p.vocab_size * p.model_dim + 2 * p.model_dim, 4 * n)
+
+
+class MtOutputLayer(_MtLayer):
+    """Decoder state -> logits [B, T, vocab] (final layer norm, then softmax weights)."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        p = self.params
+        self.CreateChild('ln', layers.LayerNorm.Params().Set(name='ln', input_dim=p.model_dim))
+        self.CreateChild(
+            'softmax',
+            layers.SoftmaxLayer.Params().Set(
+                name='softmax', input_dim=p.model_dim, num_classes=p.vocab_size
+            ),
+        )
+
+    def FProp(self, state):
+        return self.softmax.FProp(self.ln.FProp(state.vecs))
+
+    @classmethod
+    def FPropMeta(cls, p, state):
+        vecs = base_layer.to_shape(state)['vecs']
+        sm = layers.SoftmaxLayer.Params().Set(input_dim=p.model_dim, num_classes=p.vocab_size)
+        meta = layers.SoftmaxLayer.FPropMeta(sm, vecs)
+        return base_layer.Meta(
+            meta.flops + 8 * base_layer.num_elements(vecs),
+            meta.out_shapes,
+            meta.param_count + 2 * p.model_dim,
+            meta.activation_bytes,
+        )
+
+
+class TranslationModel(base_task.BaseTask):
+    """Encoder-decoder Transformer; batch NestedMap(src_ids, src_paddings, tgt_ids,
+    tgt_paddings, labels, weights)."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('vocab_size', 0, 'Shared source / target ids.')
+        p.Define('model_dim', 0, 'Model dimension.')
+        p.Define('num_encoder_layers', 1, 'Encoder layers.')
+        p.Define('num_decoder_layers', 1, 'Decoder layers.')
+        p.Define('max_seq_len', 64, 'Sequence length used to estimate layer costs.')
+        p.Define('layer_tpl', layers.TransformerLayer.Params(), 'Template of every layer.')
+        return p
+
+    @classmethod
+    def LayerParams(cls, p):
+        common = dict(vocab_size=p.vocab_size, model_dim=p.model_dim)
+        sub = [MtSourceLayer.Params().Set(name='source', **common)]
+        for i in range(p.num_encoder_layers):
+            sub.append(
+                p.layer_tpl.Copy().Set(
+                    name=f'enc{i:02d}', input_dim=p.model_dim, causal=False, has_aux_atten=False
+                )
+            )
+        sub.append(MtBridgeLayer.Params().Set(name='bridge', **common))
+        for i in range(p.num_decoder_layers):
+            sub.append(
+                p.layer_tpl.Copy().Set(
+                    name=f'dec{i:02d}', input_dim=p.model_dim, causal=True, has_aux_atten=True
+                )
+            )
+        sub.append(MtOutputLayer.Params().Set(name='output', **common))
+        return sub
+
+    @classmethod
+    def InputShape(cls, task_p, input_p):
+        return cls._BatchShapes(input_p.batch_size, input_p.seq_len)
+
+    @staticmethod
+    def _BatchShapes(b, t):
+        return NestedMap(src_ids=(b, t), src_paddings=(b, t), tgt_ids=(b, t), tgt_paddings=(b, t))
+
+    @classmethod
+    def NetworkParams(cls, p):
+        pp = p.pipeline
+        shapes = cls._BatchShapes(max(pp.num_micro_batches * pp.num_replicas, 1), p.max_seq_len)
+        return base_task.PipelinedParamsFor(p, cls.LayerParams(p), shapes)
+
+    def __init__(self, params):
+        super().__init__(params)
+        for name in ('vocab_size', 'model_dim'):
+            if self.params.Get(name) <= 0:
+                raise ValueError(f'TranslationModel: set {name} (got {self.params.Get(name)}).')
+        self.CreateChild('network', self.NetworkParams(self.params))
+
+    def FPropTower(self, batch):
+        inputs = NestedMap(
+            src_ids=batch.src_ids,
+            src_paddings=batch.src_paddings,
+            tgt_ids=batch.tgt_ids,
+            tgt_paddings=batch.tgt_paddings,
+        )
+        logits = self.network.FProp(inputs)
+        softmax = self.network.cells[-1].sub[-1].softmax
+        with tf.device(self.network.devices[-1]):
+            xent = softmax.XentLoss(logits, batch.labels, batch.weights)
+            predicted = tf.argmax(logits, -1, output_type=tf.int32)
+            correct = tf.cast(tf.equal(predicted, batch.labels), tf.float32) * batch.weights
+            accuracy = tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
+        metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy)
+        return NestedMap(
+            loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.src_ids)[0]
+        )
