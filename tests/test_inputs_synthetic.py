@@ -47,3 +47,20 @@ def test_synthetic_translation():
         np.testing.assert_array_equal(tgt_in[i, 1:n], labels[i, : n - 1])
     assert set(tgt_in[:, 0]) == {1, 2}  # both target languages occur
     np.testing.assert_array_equal(batch.src_paddings.numpy(), 1.0 - weights)
+
+
+def test_synthetic_shapes():
+    gen = inputs.SyntheticShapes.Params().Set(batch_size=64, image_size=16, noise=0.0)
+    batch = gen.Instantiate().GetBatch(0)
+    images, labels = batch.images.numpy(), batch.labels.numpy()
+    assert images.shape == (64, 16, 16, 3) and set(labels) == {0, 1, 2, 3}
+    for image, label in zip(images[..., 0], labels):
+        ys, xs = np.nonzero(image)
+        if label == 0:
+            assert len(set(ys)) == 1 and len(set(xs)) > 1
+        elif label == 1:
+            assert len(set(xs)) == 1 and len(set(ys)) > 1
+        elif label == 2:
+            assert len(ys) == (ys.max() - ys.min() + 1) * (xs.max() - xs.min() + 1)  # filled box
+        else:
+            assert len(set(ys - xs)) == 1 and len(ys) > 1

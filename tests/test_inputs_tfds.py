@@ -26,3 +26,18 @@ def test_lm1b_bytes():
     assert 'input_iterator' in gen.CheckpointItems()
     second = gen.GetBatch(1)
     assert second.ids.shape == (4, 16)
+
+
+@pytest.mark.parametrize(
+    'dataset,classes', [('cifar10', 10), ('cifar100', 100), ('imagenet2012', 1000)]
+)
+def test_image_datasets(dataset, classes):
+    gen = (
+        inputs.TfdsImage.Params()
+        .Set(dataset=dataset, batch_size=4, image_size=24, augment=True)
+        .Instantiate()
+    )
+    batch = gen.GetBatch(0)
+    assert batch.images.shape == (4, 24, 24, 3) and batch.images.dtype.name == 'float32'
+    labels = batch.labels.numpy()
+    assert labels.dtype == np.int32 and labels.min() >= 0 and labels.max() < classes

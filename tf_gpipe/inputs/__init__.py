@@ -1,7 +1,15 @@
 """Input generators: built-in synthetic tasks (offline) and tfds datasets."""
 
 from tf_gpipe.inputs.base_input import BaseInputGenerator
-from tf_gpipe.inputs.synthetic import SyntheticLm, SyntheticMt
-from tf_gpipe.inputs.tfds_input import TfdsInput, TfdsLm
+from tf_gpipe.inputs.synthetic import SyntheticLm, SyntheticMt, SyntheticShapes
+from tf_gpipe.inputs.tfds_input import TfdsImage, TfdsInput, TfdsLm
 
-__all__ = ['BaseInputGenerator', 'SyntheticLm', 'SyntheticMt', 'TfdsInput', 'TfdsLm']
+__all__ = [
+    'BaseInputGenerator',
+    'SyntheticLm',
+    'SyntheticMt',
+    'SyntheticShapes',
+    'TfdsImage',
+    'TfdsInput',
+    'TfdsLm',
+]

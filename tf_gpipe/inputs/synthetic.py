@@ -87,3 +87,47 @@ class SyntheticMt(base_input.BaseInputGenerator):
             labels=tgt,
             weights=weights,
         )
+
+
+class SyntheticShapes(base_input.BaseInputGenerator):
+    """Procedurally drawn images: class 0 horizontal bar, 1 vertical bar, 2 box, 3 diagonal,
+    at a random place, with Gaussian noise. Batches are a pure function of (seed, step)."""
+
+    NUM_CLASSES = 4
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('image_size', 16, 'Height and width.')
+        p.Define('channels', 3, 'Channels (all carry the same drawing).')
+        p.Define('noise', 0.3, 'Standard deviation of the added noise.')
+        return p
+
+    def GetBatch(self, step):
+        p = self.params
+        seed = tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
+        fold = tf.random.experimental.stateless_fold_in
+        size, radius = p.image_size, max(p.image_size // 4, 2)
+        labels = tf.random.stateless_uniform([p.batch_size], seed, 0, self.NUM_CLASSES, tf.int32)
+        centre = tf.random.stateless_uniform(
+            [p.batch_size, 2], fold(seed, 1), radius, size - radius, tf.int32
+        )
+        grid = tf.range(size)
+        dy = tf.abs(grid[None, :, None] - centre[:, 0, None, None])
+        dx = tf.abs(grid[None, None, :] - centre[:, 1, None, None])
+        signed = (grid[None, :, None] - centre[:, 0, None, None]) - (
+            grid[None, None, :] - centre[:, 1, None, None]
+        )
+        shapes = tf.stack(
+            [
+                (dy <= 0) & (dx <= radius),
+                (dx <= 0) & (dy <= radius),
+                tf.maximum(dx, dy) <= radius // 2,
+                (tf.abs(signed) <= 0) & (dy <= radius),
+            ],
+            axis=1,
+        )
+        mask = tf.gather(shapes, labels, axis=1, batch_dims=1)
+        images = tf.cast(mask, tf.float32)[..., None] * tf.ones([p.channels])
+        images += p.noise * tf.random.stateless_normal(tf.shape(images), fold(seed, 2))
+        return NestedMap(images=images, labels=labels)

@@ -82,3 +82,24 @@ class TfdsLm(TfdsInput):
         tokens.set_shape([p.seq_len + 1])
         labels = tokens[1:]
         return NestedMap(ids=tokens[:-1], labels=labels, weights=tf.cast(labels > 0, tf.float32))
+
+
+class TfdsImage(TfdsInput):
+    """Image classification datasets (cifar10/100, imagenet2012): resize, scale, normalise."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('image_size', 32, 'Images are resized to image_size x image_size.')
+        p.Define('augment', False, 'Random left-right flips (training).')
+        p.dataset = 'cifar10'
+        return p
+
+    def Preprocess(self, example):
+        p = self.params
+        image = tf.image.convert_image_dtype(example['image'], tf.float32)
+        image = tf.image.resize(image, [p.image_size, p.image_size])
+        if p.augment:
+            image = tf.image.random_flip_left_right(image, seed=p.seed)
+        image = (image - 0.5) / 0.25
+        return NestedMap(images=image, labels=tf.cast(example['label'], tf.int32))

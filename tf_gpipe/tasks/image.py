@@ -1,0 +1,67 @@
+"""Image classifier: AmoebaNet-D as one pipeline, cross-entropy and accuracy."""
+
+import tensorflow as tf
+
+from tf_gpipe.layers import amoebanet
+from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.tasks import base_task
+
+
+class ImageClassifier(base_task.BaseTask):
+    """Batch: NestedMap(images [B, H, W, C], labels [B])."""
+
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('num_classes', 0, 'Classes.')
+        p.Define('num_cells', 6, 'L: normal cells (a multiple of 3).')
+        p.Define('filters', 16, 'D: filters of the first stack (doubled at each reduction).')
+        p.Define('image_size', 32, 'Input height and width.')
+        p.Define('in_channels', 3, 'Image channels.')
+        p.Define('stem_stride', 1, 'Stride of the stem convolution (2 for ImageNet-size).')
+        p.Define('label_smoothing', 0.0, 'Label smoothing.')
+        return p
+
+    @classmethod
+    def LayerParams(cls, p):
+        return amoebanet.AmoebaNetLayers(
+            p.num_cells, p.filters, p.num_classes, p.in_channels, p.stem_stride
+        )
+
+    @classmethod
+    def InputShape(cls, task_p, input_p):
+        return (input_p.batch_size, task_p.image_size, task_p.image_size, task_p.in_channels)
+
+    @classmethod
+    def NetworkParams(cls, p):
+        pp = p.pipeline
+        nominal = (
+            max(pp.num_micro_batches * pp.num_replicas, 1),
+            p.image_size,
+            p.image_size,
+            p.in_channels,
+        )
+        return base_task.PipelinedParamsFor(p, cls.LayerParams(p), nominal)
+
+    def __init__(self, params):
+        super().__init__(params)
+        if self.params.num_classes <= 0:
+            raise ValueError('ImageClassifier: set num_classes.')
+        self.CreateChild('network', self.NetworkParams(self.params))
+
+    def FPropTower(self, batch):
+        p = self.params
+        logits = self.network.FProp(batch.images)
+        with tf.device(self.network.devices[-1]):
+            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+            targets = tf.one_hot(batch.labels, p.num_classes)
+            if p.label_smoothing:
+                targets = targets * (1 - p.label_smoothing) + p.label_smoothing / p.num_classes
+            loss = tf.reduce_mean(-tf.reduce_sum(targets * log_probs, -1))
+            predicted = tf.argmax(logits, -1, output_type=tf.int32)
+            accuracy = tf.reduce_mean(tf.cast(tf.equal(predicted, batch.labels), tf.float32))
+        return NestedMap(
+            loss=loss,
+            metrics=NestedMap(loss=loss, accuracy=accuracy),
+            num_examples=tf.shape(batch.labels)[0],
+        )
