@@ -18,6 +18,8 @@ setup(
         'tensorboard',
         'numpy',
     ],
+    # `tf_gpipe_trainer` on the PATH: tools/trainer.py installed as a script (flags stay in tools/).
+    scripts=['tools/tf_gpipe_trainer', 'tools/trainer.py'],
     extras_require={
         'test': ['pytest', 'pytest-xdist', 'ruff'],
         'plot': ['matplotlib'],

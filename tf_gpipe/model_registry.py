@@ -70,7 +70,7 @@ def GetClass(key):
         return _REGISTRY[key]
     close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.5)
     hint = f' Did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
-    known = ', '.join(sorted(_REGISTRY)) or 'none (was the params directory loaded?)'
+    known = ', '.join(sorted(_REGISTRY)) or 'none (load a params directory: --params_dir)'
     raise LookupError(f'Unknown model {key!r}.{hint} Registered models: {known}.')
 
 

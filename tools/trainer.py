@@ -44,7 +44,9 @@ CLUSTER_SPEC = flags.DEFINE_string(
 def _model_params():
     from tf_gpipe.trainer import trainer
 
-    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    for candidate in (os.path.join(ROOT, 'params'), os.path.join(os.getcwd(), 'params')):
+        if os.path.isdir(candidate):  # the checkout's params (absent for an installed script)
+            model_registry.LoadParamsDir(candidate)
     if PARAMS_DIR.value:
         model_registry.LoadParamsDir(PARAMS_DIR.value)
     model = model_registry.GetClass(MODEL.value)()
