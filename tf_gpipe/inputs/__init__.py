@@ -2,7 +2,7 @@
 
 from tf_gpipe.inputs.base_input import BaseInputGenerator
 from tf_gpipe.inputs.synthetic import SyntheticLm, SyntheticMt, SyntheticShapes
-from tf_gpipe.inputs.tfds_input import TfdsImage, TfdsInput, TfdsLm
+from tf_gpipe.inputs.tfds_input import TfdsImage, TfdsInput, TfdsLm, TfdsTranslation
 
 __all__ = [
     'BaseInputGenerator',
@@ -12,4 +12,5 @@ __all__ = [
     'TfdsImage',
     'TfdsInput',
     'TfdsLm',
+    'TfdsTranslation',
 ]
