@@ -99,3 +99,49 @@ def test_inspect_and_errors():
         '--params_override=task.pipeline.num_micro_batches=many',
     )
     assert wrong_type.returncode == 1 and 'expects an int' in wrong_type.stderr
+
+
+def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):
+    """Stage k on TF worker k (loopback): --cluster_spec for training, TF_CONFIG for eval."""
+    import json
+
+    from tf_gpipe import local_cluster
+
+    logdir = str(tmp_path / 'lm')
+    two = 'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=4'
+    with local_cluster.LocalCluster(2) as workers:
+        hosts = workers.spec['worker']
+        run = _trainer(
+            f'--model={MODEL}',
+            f'--logdir={logdir}',
+            '--max_steps=20',
+            f'--cluster_spec=worker={",".join(hosts)}',
+            f'--params_override={two}',
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert 'DeviceMesh [1 replicas x 2 stages]' in run.stderr
+        assert '/job:worker/replica:0/task:1/device:CPU:0' in run.stderr
+        losses = _scalars(f'{logdir}/train', 'loss')
+        assert losses[-1][0] == 20 and losses[-1][1] < losses[0][1]
+        env = dict(
+            os.environ,
+            TF_CPP_MIN_LOG_LEVEL='3',
+            TF_CONFIG=json.dumps({'cluster': {'worker': hosts}}),
+        )
+        ev = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, 'tools', 'trainer.py'),
+                f'--model={MODEL}',
+                f'--logdir={logdir}',
+                '--mode=eval',
+                f'--params_override={two}',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            cwd=ROOT,
+        )
+        assert ev.returncode == 0, ev.stderr[-3000:]
+        assert _scalars(f'{logdir}/eval', 'accuracy')[0][0] == 20

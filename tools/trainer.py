@@ -76,9 +76,14 @@ def _connect():
         spec = json.loads(os.environ['TF_CONFIG'])['cluster']
     if spec is None:
         return None
-    spec.setdefault('client', ['localhost:0'])
+    if 'client' not in spec:  # this process joins as the client, on a free local port
+        from tf_gpipe import local_cluster
+
+        spec['client'] = [f'127.0.0.1:{local_cluster.free_ports(1)[0]}']
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name='client')
-    return cluster.use_mesh(cluster.DeviceMesh.from_cluster(spec))
+    mesh = cluster.DeviceMesh.from_cluster(spec)
+    logging.info('Connected to the cluster; %s', mesh)
+    return cluster.use_mesh(mesh)
 
 
 def main(argv):
@@ -106,7 +111,7 @@ def main(argv):
     t = trainer.Trainer(p, LOGDIR.value)
     if mesh_scope is not None:
         with mesh_scope:
-            t._Build()
+            t.Build()
     if MODE.value == 'eval':
         t.Evaluate()
     else:

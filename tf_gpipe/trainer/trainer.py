@@ -33,7 +33,9 @@ class Trainer:
 
     # ---- building ----------------------------------------------------------------------------
 
-    def _Build(self):
+    def Build(self):
+        """Builds task, inputs, learner and checkpointing (inside a `cluster.use_mesh` to place
+        the pipeline on that mesh); idempotent."""
         if self._built:
             return
         _check_logdir(self.logdir)
@@ -78,7 +80,7 @@ class Trainer:
 
     def Restore(self):
         """Restores the latest checkpoint in logdir, if any; returns its path or None."""
-        self._Build()
+        self.Build()
         path = self.manager.latest_checkpoint
         if path:
             try:
@@ -142,7 +144,7 @@ class Trainer:
 
     def Evaluate(self):
         """Metrics averaged over task.train.eval_steps test batches; written to logdir/eval."""
-        self._Build()
+        self.Build()
         if int(self.global_step) == 0 and self.Restore() is None:
             raise RuntimeError(
                 f'No checkpoint in {self.logdir}/checkpoints to evaluate; train first.'
