@@ -6,6 +6,14 @@ from tf_gpipe.inputs import base_input
 from tf_gpipe.nested_map import NestedMap
 
 
+def _step_seed(p, step):
+    """The stateless seed of batch `step` (a pure function of the params' seed and the step)."""
+    return tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
+
+
+_fold = tf.random.experimental.stateless_fold_in
+
+
 class SyntheticLm(base_input.BaseInputGenerator):
     """An arithmetic language: sequence i is (start_i + stride_i * t) mod vocab_size.
 
@@ -25,9 +33,9 @@ class SyntheticLm(base_input.BaseInputGenerator):
 
     def GetBatch(self, step):
         p = self.params
-        seed = tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
+        seed = _step_seed(p, step)
         starts = tf.random.stateless_uniform([p.batch_size, 1], seed, 0, p.vocab_size, tf.int64)
-        seed2 = tf.random.experimental.stateless_fold_in(seed, 1)
+        seed2 = _fold(seed, 1)
         strides = tf.random.stateless_uniform(
             [p.batch_size, 1], seed2, 1, p.max_stride + 1, tf.int64
         )
@@ -63,15 +71,14 @@ class SyntheticMt(base_input.BaseInputGenerator):
 
     def GetBatch(self, step):
         p = self.params
-        seed = tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
-        fold = tf.random.experimental.stateless_fold_in
+        seed = _step_seed(p, step)
         words = tf.random.stateless_uniform(
             [p.batch_size, p.seq_len], seed, 3, p.vocab_size, tf.int32
         )
         lengths = tf.random.stateless_uniform(
-            [p.batch_size], fold(seed, 1), p.min_len, p.seq_len + 1, tf.int32
+            [p.batch_size], _fold(seed, 1), p.min_len, p.seq_len + 1, tf.int32
         )
-        reverse = tf.random.stateless_uniform([p.batch_size], fold(seed, 2), 0, 2, tf.int32)
+        reverse = tf.random.stateless_uniform([p.batch_size], _fold(seed, 2), 0, 2, tf.int32)
         mask = tf.sequence_mask(lengths, p.seq_len)
         src = tf.where(mask, words, 0)
         reversed_src = tf.reverse_sequence(src, lengths, seq_axis=1, batch_axis=0)
@@ -105,12 +112,11 @@ class SyntheticShapes(base_input.BaseInputGenerator):
 
     def GetBatch(self, step):
         p = self.params
-        seed = tf.stack([tf.constant(p.seed, tf.int64), tf.cast(step, tf.int64)])
-        fold = tf.random.experimental.stateless_fold_in
+        seed = _step_seed(p, step)
         size, radius = p.image_size, max(p.image_size // 4, 2)
         labels = tf.random.stateless_uniform([p.batch_size], seed, 0, self.NUM_CLASSES, tf.int32)
         centre = tf.random.stateless_uniform(
-            [p.batch_size, 2], fold(seed, 1), radius, size - radius, tf.int32
+            [p.batch_size, 2], _fold(seed, 1), radius, size - radius, tf.int32
         )
         grid = tf.range(size)
         dy = tf.abs(grid[None, :, None] - centre[:, 0, None, None])
@@ -129,5 +135,5 @@ class SyntheticShapes(base_input.BaseInputGenerator):
         )
         mask = tf.gather(shapes, labels, axis=1, batch_dims=1)
         images = tf.cast(mask, tf.float32)[..., None] * tf.ones([p.channels])
-        images += p.noise * tf.random.stateless_normal(tf.shape(images), fold(seed, 2))
+        images += p.noise * tf.random.stateless_normal(tf.shape(images), _fold(seed, 2))
         return NestedMap(images=images, labels=labels)

@@ -1,5 +1,7 @@
 """BaseTask: a network, its loss and metrics, the learner and the loop settings."""
 
+import tensorflow as tf
+
 from tf_gpipe import base_layer, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer
 from tf_gpipe.trainer.learner import Learner
@@ -44,6 +46,14 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         num_replicas=pp.num_replicas,
         jit_compile=pp.jit_compile,
     )
+
+
+def TokenXentMetrics(softmax, logits, labels, weights):
+    """(xent NestedMap, accuracy) over weighted token positions."""
+    xent = softmax.XentLoss(logits, labels, weights)
+    predicted = tf.argmax(logits, -1, output_type=tf.int32)
+    correct = tf.cast(tf.equal(predicted, labels), tf.float32) * weights
+    return xent, tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
 
 
 class BaseTask(base_layer.BaseLayer):

@@ -72,9 +72,8 @@ class LanguageModel(base_task.BaseTask):
         logits = self.network.FProp(batch.ids)
         softmax = self.network.cells[-1].sub[-1]
         with tf.device(self.network.devices[-1]):  # loss and metrics on the last stage
-            xent = softmax.XentLoss(logits, batch.labels, batch.weights)
-            predicted = tf.argmax(logits, -1, output_type=tf.int32)
-            correct = tf.cast(tf.equal(predicted, batch.labels), tf.float32) * batch.weights
-            accuracy = tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
+            xent, accuracy = base_task.TokenXentMetrics(
+                softmax, logits, batch.labels, batch.weights
+            )
             metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy, log_pplx=xent.avg_xent)
         return NestedMap(loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.ids)[0])

@@ -193,10 +193,9 @@ class TranslationModel(base_task.BaseTask):
         logits = self.network.FProp(inputs)
         softmax = self.network.cells[-1].sub[-1].softmax
         with tf.device(self.network.devices[-1]):
-            xent = softmax.XentLoss(logits, batch.labels, batch.weights)
-            predicted = tf.argmax(logits, -1, output_type=tf.int32)
-            correct = tf.cast(tf.equal(predicted, batch.labels), tf.float32) * batch.weights
-            accuracy = tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
+            xent, accuracy = base_task.TokenXentMetrics(
+                softmax, logits, batch.labels, batch.weights
+            )
         metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy)
         return NestedMap(
             loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.src_ids)[0]
