@@ -28,3 +28,13 @@ def test_slots_follow_variables(make):
     optimizer.apply_gradients(zip([tf.ones([3])] * 3, variables))
     assert float(variables[0][0]) < 1.0
     assert placement.build_optimizer(optimizer, variables) is optimizer  # built once
+
+
+def test_loss_scale_optimizer_slots_follow_variables():
+    with tf.device('/device:CPU:2'):
+        v = tf.Variable(tf.ones([3]))
+    optimizer = placement.build_optimizer(
+        tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.Adam(0.1)), [v]
+    )
+    slots = [s for s in optimizer.variables if tuple(s.shape) == (3,)]
+    assert len(slots) == 2 and all(s.value.device.endswith('CPU:2') for s in slots)

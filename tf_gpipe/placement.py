@@ -20,16 +20,24 @@ def build_optimizer(optimizer, variables):
     variables = list(variables)
     if optimizer.built:
         return optimizer
-    original = optimizer.add_variable_from_reference
-
-    def colocated(reference_variable, *args, **kwargs):
-        with tf.device(_device_of(reference_variable)):
-            return original(reference_variable, *args, **kwargs)
-
-    optimizer.add_variable_from_reference = colocated
+    # A wrapper (LossScaleOptimizer) builds its inner optimizer, which makes the slots.
+    chain = [optimizer]
+    while getattr(chain[-1], 'inner_optimizer', None) is not None:
+        chain.append(chain[-1].inner_optimizer)
+    for opt in chain:
+        opt.add_variable_from_reference = _colocated(opt.add_variable_from_reference)
     try:
         with tf.init_scope():
             optimizer.build(variables)
     finally:
-        del optimizer.add_variable_from_reference
+        for opt in chain:
+            del opt.add_variable_from_reference
     return optimizer
+
+
+def _colocated(add_variable_from_reference):
+    def colocated(reference_variable, *args, **kwargs):
+        with tf.device(_device_of(reference_variable)):
+            return add_variable_from_reference(reference_variable, *args, **kwargs)
+
+    return colocated

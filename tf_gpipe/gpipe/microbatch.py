@@ -45,7 +45,11 @@ def split(structure, num_micro_batches, batch_dim=0):
                 tf.debugging.assert_equal(
                     size % num_micro_batches,
                     0,
-                    message=f'batch size is not a multiple of num_micro_batches={num_micro_batches}',
+                    message=(
+                        f'batch size is not a multiple of num_micro_batches={num_micro_batches}. '
+                        'Use batch sizes that are multiples of it, and drop or pad a last partial '
+                        'batch (tf.data: .batch(n, drop_remainder=True))'
+                    ),
                 )
             ]
         ):

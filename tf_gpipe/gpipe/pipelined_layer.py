@@ -102,7 +102,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             for row in rows:
                 if len(row) < k:
                     raise ValueError(
-                        f'{p.name}: {k} cells need {k} devices, got {len(row)}: {row}.'
+                        f'{p.name}: {k} cells need {k} devices, got {len(row)}: {row}. Pass '
+                        'one device per cell, or use fewer cells.'
                     )
             rows = [row[:k] for row in rows]
         return [cluster.check_device_names(row) for row in rows]

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import base_layer, fprop_context
+from tf_gpipe.layers import keras_state
 
 
 def _resolve(keras_layer, name):
@@ -38,8 +39,10 @@ class KerasLayer(base_layer.BaseLayer):
     With `input_shape` set the Keras layer is built (variables created) at Instantiate();
     otherwise on the first FProp, as in Keras. With `random_seed` set, the initial weights
     depend only on (random_seed, layer name path), like our own layers'. The Keras layer gets
-    `training` from `fprop_context`; Keras' own random layers (keras.layers.Dropout) draw new
-    masks on every call — use our DropoutLayer where a pipeline must replay masks.
+    `training` from `fprop_context`. Inside a pipeline its random draws (Dropout masks) depend
+    on (step, micro-batch), so a recompute replays them; its BatchNormalization layers normalise
+    per call and move their averages in `PostTrainingStepUpdate`, once per step, with the
+    statistics of everything seen in the step (see keras_state).
     """
 
     @classmethod
@@ -48,6 +51,9 @@ class KerasLayer(base_layer.BaseLayer):
         p.Define('keras_layer', None, 'A keras.layers.Layer subclass or its name ("Dense").')
         p.Define('config', {}, 'Keyword arguments of the Keras layer constructor.')
         p.Define('input_shape', None, 'Input shape with batch (None allowed) to build now.')
+        p.Define(
+            'autocast', True, 'Cast float inputs to fprop_dtype (off: the Keras dtype policy does).'
+        )
         return p
 
     def __init__(self, params):
@@ -57,12 +63,18 @@ class KerasLayer(base_layer.BaseLayer):
         seed = base_layer.variable_seed(self._base_seed, self.seed_name)[0]
         self._seed_for_build = seed
         with _python_random_seeded(seed):
-            self._layer = cls(**dict(p.config))
+            self._layer = cls.from_config(dict(p.config))
         self._takes_training = 'training' in inspect.signature(self._layer.call).parameters
+        self._generators, self._batch_norms = [], []
         if p.input_shape is not None:
-            with _python_random_seeded(seed), tf.init_scope():
-                self._layer.build(tuple(p.input_shape))
-            self._RegisterVariables()
+            self._Build(tuple(p.input_shape))
+
+    def _Build(self, shape):
+        with _python_random_seeded(self._seed_for_build), tf.init_scope():
+            self._layer.build(shape)
+        self._RegisterVariables()
+        self._generators = keras_state.seed_generators(self._layer)
+        self._batch_norms = keras_state.batch_norm_stats(self._layer)
 
     @property
     def keras_layer(self):
@@ -76,21 +88,26 @@ class KerasLayer(base_layer.BaseLayer):
                 self._vars[name] = v.value
 
     def FProp(self, *inputs):
-        inputs = [tf.cast(x, self.fprop_dtype) if x.dtype.is_floating else x for x in inputs]
-        kwargs = {'training': fprop_context.current().training} if self._takes_training else {}
+        if self.params.autocast:
+            inputs = [tf.cast(x, self.fprop_dtype) if x.dtype.is_floating else x for x in inputs]
         if not self._layer.built:
-            with _python_random_seeded(self._seed_for_build):
-                out = self._layer(*inputs, **kwargs)
-            self._RegisterVariables()
-            return out
+            shapes = [tuple(x.shape) for x in inputs]
+            self._Build(shapes[0] if len(shapes) == 1 else shapes)
+        kwargs = {'training': fprop_context.current().training} if self._takes_training else {}
+        keras_state.replay_seeds(self._generators)
         return self._layer(*inputs, **kwargs)
+
+    def PostTrainingStepUpdate(self):
+        for stats in self._batch_norms:
+            stats.apply()
+        super().PostTrainingStepUpdate()
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
         shapes = [tuple(base_layer.to_shape(s).as_list()) for s in input_shapes]
         arg = shapes[0] if len(shapes) == 1 else shapes
         with keras.StatelessScope():  # Builds without allocating the weights.
-            layer = _resolve(p.keras_layer, p.name)(**dict(p.config))
+            layer = _resolve(p.keras_layer, p.name).from_config(dict(p.config))
             layer.build(arg)
             out = tf.TensorShape(layer.compute_output_shape(arg))
             params = sum(_size(w.shape) for w in layer.trainable_weights)

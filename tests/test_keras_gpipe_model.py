@@ -1,0 +1,376 @@
+"""GPipe(keras.Sequential): trains exactly like the plain model, with Keras' whole workflow."""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gpipe.keras import GPipe, GPipeModel
+
+X = np.random.RandomState(0).randn(64, 8).astype('float32')
+Y = np.random.RandomState(1).randint(0, 3, 64)
+W = np.random.RandomState(2).uniform(0.0, 2.0, 64).astype('float32')
+
+
+def _mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation='relu'),
+            keras.layers.Dense(16, activation='tanh'),
+            keras.layers.Dense(12, activation='relu'),
+            keras.layers.Dense(12),
+            keras.layers.Activation('relu'),
+            keras.layers.Dense(3, activation='softmax'),
+        ],
+        name='mlp',
+    )
+
+
+def _optimizer(kind):
+    if kind == 'sgd':
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+    # Adam divides by sqrt(v) + epsilon: with the default 1e-7 a near-zero gradient's last-bit
+    # summation noise becomes a full step; 1e-3 keeps the update Lipschitz in the gradient.
+    return keras.optimizers.Adam(0.01, epsilon=1e-3)
+
+
+def _compile(model, kind='sgd', **kw):
+    kw.setdefault('loss', 'sparse_categorical_crossentropy')
+    kw.setdefault('metrics', ['accuracy'])
+    model.compile(optimizer=_optimizer(kind), **kw)
+    return model
+
+
+def _assert_same_weights(got, want):
+    assert len(got.weights) == len(want.weights)
+    for a, b in zip(got.weights, want.weights):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6, err_msg=b.path)
+
+
+def _assert_same_history(got, want):
+    assert sorted(got.history) == sorted(want.history)
+    for key, values in want.history.items():
+        np.testing.assert_allclose(got.history[key], values, rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize('kind', ['sgd', 'adam'])
+@pytest.mark.parametrize('k', [1, 2, 4])
+@pytest.mark.parametrize('m', [1, 4])
+def test_fit_equals_plain_sequential(kind, k, m):
+    plain = _compile(_mlp(), kind)
+    pipe = _compile(GPipe(_mlp(), num_partitions=k, num_micro_batches=m), kind)
+    assert pipe.num_partitions == k and sum(pipe.balance) == 6
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)
+    np.testing.assert_allclose(
+        pipe.evaluate(X, Y, batch_size=16, verbose=0),
+        plain.evaluate(X, Y, batch_size=16, verbose=0),
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        pipe.predict(X, batch_size=32, verbose=0),
+        plain.predict(X, batch_size=32, verbose=0),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_each_partition_on_its_device_with_its_optimizer_slots():
+    pipe = _compile(GPipe(_mlp(), balance=[2, 1, 2, 1], num_micro_batches=2), 'adam')
+    assert pipe.balance == [2, 1, 2, 1]
+    devices = pipe.devices
+    assert len(set(devices)) == 4
+    owner = [0, 0, 1, 2, 2, 3]  # partition of each layer; the Activation has no weights
+    for layer, k in zip(pipe.partition_layers, owner):
+        for w in layer.weights:
+            assert w.value.device.endswith(devices[k][-5:]), (layer.name, w.value.device)
+    slots = [v for v in pipe.optimizer.variables if len(v.shape) > 0]
+    assert len(slots) == 2 * len(pipe.trainable_weights)
+    assert {v.value.device[-5:] for v in slots} == {d[-5:] for d in devices}
+    table = pipe.partition_table()
+    assert 'dense' in table and devices[3] in table
+
+
+@pytest.mark.parametrize('reduction', ['sum_over_batch_size', 'sum', 'mean_with_sample_weight'])
+def test_sample_weights_and_loss_reductions(reduction):
+    loss = keras.losses.SparseCategoricalCrossentropy(reduction=reduction)
+    kw = dict(loss=loss, weighted_metrics=['accuracy'], metrics=[])
+    plain = _compile(_mlp(), **kw)
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=4), **kw)
+    fit = dict(sample_weight=W, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)
+
+
+def test_a_loss_that_mixes_the_batch_is_exact():
+    """The loss sees the merged batch, so even a loss across examples is the plain one."""
+
+    def batch_centered_mse(y_true, y_pred):
+        centered = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)
+        return tf.reduce_mean(tf.square(centered - tf.one_hot(tf.cast(y_true, tf.int32), 3)), -1)
+
+    plain = _compile(_mlp(), loss=batch_centered_mse, metrics=[])
+    pipe = _compile(
+        GPipe(_mlp(), num_partitions=2, num_micro_batches=4), loss=batch_centered_mse, metrics=[]
+    )
+    fit = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)
+
+
+def test_tf_data_input_and_a_partial_last_batch():
+    data = tf.data.Dataset.from_tensor_slices((X, Y)).batch(16)
+    plain = _compile(_mlp())
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=4))
+    fit = dict(epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(data, **fit), plain.fit(data, **fit))
+    _assert_same_weights(pipe, plain)
+    ragged = tf.data.Dataset.from_tensor_slices((X[:62], Y[:62])).batch(16)  # last batch: 14
+    with pytest.raises(tf.errors.InvalidArgumentError, match='drop_remainder=True'):
+        pipe.fit(ragged, epochs=1, verbose=0)
+
+
+def test_array_batches_that_micro_batches_do_not_divide():
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=4))
+    with pytest.raises(ValueError, match='batch of 6, which 4 micro-batches do not divide'):
+        pipe.fit(X, Y, batch_size=6, verbose=0)
+    with pytest.raises(ValueError, match='batch of 2'):
+        pipe.evaluate(X[:50], Y[:50], batch_size=16, verbose=0)
+    with pytest.raises(ValueError, match='multiple of num_micro_batches=4'):
+        pipe.predict(X[:30], verbose=0)
+
+
+def _dropout_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(32, activation='relu'),
+            keras.layers.Dropout(0.5, seed=1),
+            keras.layers.Dense(32),
+            keras.layers.Dropout(0.3, seed=2),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _loss_and_grads(model, x):
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            out = model(x, training=True)
+            loss = tf.reduce_mean(
+                keras.losses.sparse_categorical_crossentropy(Y[: len(x)], out, True)
+            )
+        return loss, tape.gradient(loss, model.trainable_variables), out
+
+    return step()
+
+
+def test_dropout_masks_are_replayed_in_recompute():
+    """A recompute draws the forward's masks: every policy gives the same loss and gradients."""
+    runs = {}
+    for policy in ('always', 'except_last', 'never'):
+        pipe = _compile(
+            GPipe(_dropout_model(), num_partitions=2, num_micro_batches=4, recompute=policy)
+        )
+        runs[policy] = _loss_and_grads(pipe, X)
+    loss, grads, _ = runs['never']  # 'never' differentiates the forward itself
+    for policy in ('always', 'except_last'):
+        np.testing.assert_allclose(runs[policy][0], loss, rtol=1e-6)
+        for a, b in zip(runs[policy][1], grads):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_dropout_masks_differ_by_micro_batch_and_step_and_vanish_in_eval():
+    pipe = _compile(GPipe(_dropout_model(), num_partitions=2, num_micro_batches=4))
+    same = np.tile(X[:4], (4, 1))  # four identical micro-batches
+    _, _, out = _loss_and_grads(pipe, same)
+    outs = np.split(out.numpy(), 4)
+    assert not np.allclose(outs[0], outs[1])
+    _, _, again = _loss_and_grads(pipe, same)
+    np.testing.assert_allclose(again, out, rtol=1e-6)  # same step, same masks
+    pipe.fit(same, Y[:16], batch_size=16, verbose=0)  # one optimizer step
+    _, _, later = _loss_and_grads(pipe, same)
+    assert not np.allclose(np.split(later.numpy(), 4)[0], outs[0], atol=1e-3)
+    infer = pipe.predict(same, batch_size=16, verbose=0)
+    np.testing.assert_allclose(infer[:4], infer[4:8], rtol=1e-6)
+
+
+def _bn_model():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.BatchNormalization(momentum=0.5),
+            keras.layers.Dense(16, activation='relu'),
+            keras.layers.BatchNormalization(momentum=0.9, center=False),
+            keras.layers.Dense(3, activation='softmax'),
+        ]
+    )
+
+
+@pytest.mark.parametrize('recompute', ['always', 'never'])
+def test_batch_norm_with_one_micro_batch_equals_plain(recompute):
+    plain = _compile(_bn_model())
+    pipe = _compile(GPipe(_bn_model(), num_partitions=2, num_micro_batches=1, recompute=recompute))
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X + 3.0, Y, **fit), plain.fit(X + 3.0, Y, **fit))
+    _assert_same_weights(pipe, plain)  # moving statistics included
+
+
+@pytest.mark.parametrize('recompute', ['always', 'except_last'])
+def test_batch_norm_normalises_micro_batches_and_moves_averages_once_per_step(recompute):
+    plain = _bn_model()
+    pipe = _compile(GPipe(_bn_model(), num_partitions=2, num_micro_batches=4, recompute=recompute))
+    x = X * 2.0 + 5.0
+    # Training forward: each micro-batch normalised with its own statistics, as Keras would
+    # normalise that micro-batch alone.
+    _, _, out = _loss_and_grads(pipe, x)
+    reference = keras.models.clone_model(plain)
+    reference.set_weights(plain.get_weights())
+    want = np.concatenate([reference(part, training=True) for part in np.split(x, 4)])
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    for stats in pipe.pipeline.cells[0].AllLayers()[-1]._batch_norms:  # nothing applied yet
+        assert float(stats.accumulators[0]) == 64.0
+    pipe.pipeline.PostTrainingStepUpdate()
+    # One update with the whole batch's statistics: the plain model's update on the batch.
+    plain(x, training=True)
+    bn_pipe, bn_plain = pipe.partition_layers[0], plain.layers[0]
+    np.testing.assert_allclose(bn_pipe.moving_mean, bn_plain.moving_mean, rtol=1e-5)
+    np.testing.assert_allclose(bn_pipe.moving_variance, bn_plain.moving_variance, rtol=1e-5)
+    # Through fit(): after one step the first BN's averages match plain Keras on the full batch.
+    plain2, pipe2 = _compile(_bn_model()), _compile(GPipe(_bn_model(), num_micro_batches=4))
+    plain2.fit(x[:32], Y[:32], batch_size=32, verbose=0)
+    pipe2.fit(x[:32], Y[:32], batch_size=32, verbose=0)
+    for name in ('moving_mean', 'moving_variance'):
+        np.testing.assert_allclose(
+            getattr(pipe2.partition_layers[0], name),
+            getattr(plain2.layers[0], name),
+            rtol=1e-5,
+            err_msg=name,
+        )
+
+
+def test_save_and_load_keras_format_and_weights(tmp_path):
+    pipe = _compile(GPipe(_bn_model(), num_partitions=2, num_micro_batches=2), 'adam')
+    pipe.fit(X, Y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = str(tmp_path / 'model.keras')
+    pipe.save(path)
+    loaded = keras.models.load_model(path)
+    assert isinstance(loaded, GPipeModel)
+    assert loaded.balance == pipe.balance and loaded.devices == pipe.devices
+    _assert_same_weights(loaded, pipe)
+    assert int(loaded.optimizer.iterations) == int(pipe.optimizer.iterations) == 4
+    # Training on from the file continues exactly like the original.
+    fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+    _assert_same_history(loaded.fit(X, Y, **fit), pipe.fit(X, Y, **fit))
+    _assert_same_weights(loaded, pipe)
+    weights = str(tmp_path / 'model.weights.h5')
+    pipe.save_weights(weights)
+    fresh = GPipe(_bn_model(), num_partitions=2, num_micro_batches=2)
+    fresh.load_weights(weights)
+    _assert_same_weights(fresh, pipe)
+
+
+def test_callbacks(tmp_path):
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=2))
+    pipe.optimizer.learning_rate.assign(0.0)  # the loss cannot improve: early stopping fires
+    callbacks = [
+        keras.callbacks.TensorBoard(str(tmp_path / 'tb')),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / 'ckpt.keras')),
+        keras.callbacks.EarlyStopping(monitor='loss', patience=1),
+    ]
+    history = pipe.fit(X, Y, batch_size=16, epochs=10, verbose=0, callbacks=callbacks)
+    assert len(history.history['loss']) == 2
+    events = [f for _, _, files in os.walk(tmp_path / 'tb') for f in files if 'tfevents' in f]
+    assert events
+    restored = keras.models.load_model(str(tmp_path / 'ckpt.keras'))
+    _assert_same_weights(restored, pipe)
+
+
+@pytest.fixture
+def policy():
+    yield keras.mixed_precision.set_global_policy
+    keras.mixed_precision.set_global_policy('float32')
+
+
+@pytest.mark.parametrize('name', ['mixed_bfloat16', 'mixed_float16'])
+def test_mixed_precision(policy, name):
+    policy(name)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation='relu'),
+            keras.layers.Dense(16),
+            keras.layers.Dense(3, activation='softmax', dtype='float32'),
+        ]
+    )
+    pipe = _compile(GPipe(model, num_partitions=2, num_micro_batches=2))
+    plain = _compile(model)
+    assert pipe.partition_layers[0].compute_dtype == name.split('_')[1]
+    assert all(w.dtype == 'float32' for w in pipe.weights)
+    if name == 'mixed_float16':
+        assert isinstance(pipe.optimizer, keras.optimizers.LossScaleOptimizer)
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    got, want = pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit)
+    # Low-precision sums over micro-batches round differently: close, not equal.
+    np.testing.assert_allclose(got.history['loss'], want.history['loss'], rtol=2e-2)
+    assert got.history['loss'][-1] < got.history['loss'][0]
+
+
+def test_unbuilt_and_nested_sequentials():
+    inner = keras.Sequential([keras.layers.Dense(16, activation='relu'), keras.layers.Dense(8)])
+    model = keras.Sequential([inner, keras.layers.Dense(3)])
+    pipe = GPipe(model, num_partitions=3, input_shape=(8,))
+    assert [layer.name for layer in pipe.partition_layers] == [
+        inner.layers[0].name,
+        inner.layers[1].name,
+        model.layers[1].name,
+    ]
+    assert not model.built  # the original never allocated weights
+    assert pipe.predict(X, verbose=0).shape == (64, 3)
+
+
+def test_partition_by_params_and_time():
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(256), keras.layers.Dense(4), keras.layers.Dense(4)]
+    )
+    assert GPipe(model, num_partitions=2, partition_by='params').balance == [1, 2]
+    assert sum(GPipe(model, num_partitions=2, partition_by='time').balance) == 3
+
+
+def test_bad_input_errors():
+    inputs = keras.Input((8,))
+    functional = keras.Model(inputs, keras.layers.Dense(3)(inputs))
+    with pytest.raises(TypeError, match='got the functional model'):
+        GPipe(functional)
+
+    class Custom(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match='subclassed model'):
+        GPipe(Custom())
+    with pytest.raises(ValueError, match='num_partitions=7 is more than the 6 layers'):
+        GPipe(_mlp(), num_partitions=7)
+    with pytest.raises(ValueError, match='2 cells need 2 devices'):
+        GPipe(_mlp(), num_partitions=2, devices=['/device:CPU:0'])
+    with pytest.raises(ValueError, match='Unknown device'):
+        GPipe(_mlp(), num_partitions=2, devices=['/device:CPU:0', '/device:CPU:9'])
+    with pytest.raises(ValueError, match=r'balance=\[3, 2\] covers 5 layers; the model has 6'):
+        GPipe(_mlp(), balance=[3, 2])
+    with pytest.raises(ValueError, match='keras.Input'):
+        GPipe(keras.Sequential([keras.layers.Dense(3)]))
+    with pytest.raises(ValueError, match='recompute must be one of'):
+        GPipe(_mlp(), recompute='sometimes')
+    masked = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 4, mask_zero=True)])
+    with pytest.raises(ValueError, match='mask'):
+        GPipe(masked)
+    with pytest.raises(ValueError, match=r'GPipe\(..., jit_compile=True\)'):
+        GPipe(_mlp(), num_partitions=2).compile(optimizer='sgd', loss='mse', jit_compile=True)

@@ -1,0 +1,413 @@
+"""GPipe(keras.Sequential): the model's layers cut into K cells and run by the PipelinedLayer.
+
+The returned `GPipeModel` is a keras.Model: compile/fit/evaluate/predict, callbacks, save and
+load work as for any Keras model. Its call runs the pipeline (the same schedule, recompute and
+gradient accumulation as every other tf_gpipe model), and Keras computes the loss and metrics
+on the merged output of the last cell. So the loss is the plain model's loss over the whole
+batch — for every loss reduction, sample weights and losses that mix examples — and every
+example updates the metrics once.
+"""
+
+import re
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_gpipe import fprop_context, placement
+from tf_gpipe.gpipe import partition
+from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
+from tf_gpipe.layers.keras_layer import KerasLayer
+
+try:  # True while Keras traces a model on placeholders only to learn its output spec.
+    from keras.src.backend.common.symbolic_scope import in_symbolic_scope
+except ImportError:  # pragma: no cover - other Keras layouts
+
+    def in_symbolic_scope():
+        return False
+
+
+# Batch sizes the partitioner costs layers at: FPropMeta costs scale with the batch, so one
+# example gives the same balance; measured times need a batch big enough to time.
+_COST_BATCH = {'time': 32}
+
+
+def GPipe(
+    sequential,
+    *,
+    num_partitions=None,
+    balance=None,
+    num_micro_batches=1,
+    recompute='except_last',
+    devices=None,
+    partition_by='flops',
+    jit_compile=False,
+    input_shape=None,
+    name=None,
+):
+    """A keras.Model running `sequential` as a K-cell GPipe pipeline with M micro-batches.
+
+    Args:
+      sequential: a keras.Sequential (nested Sequentials are flattened). Built (it starts with
+        keras.Input or has been called) or given `input_shape`. Its current weights are copied
+        onto the partitions' devices; train the returned model.
+      num_partitions: K, balanced automatically by `partition_by`. None (and no `balance`): one
+        partition per device of `devices` or of the current device mesh.
+      balance: explicit layers per partition, e.g. [3, 3, 2, 2] (overrides num_partitions).
+      num_micro_batches: M; every batch size (fit, evaluate, predict) must be a multiple of M.
+      recompute: 'always' | 'except_last' | 'never' (see PipelinedLayer).
+      devices: K device names (None: the current mesh, see tf_gpipe.cluster).
+      partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
+      jit_compile: compile each cell's forward and backward with XLA.
+      input_shape: input shape without the batch dimension, for an unbuilt Sequential.
+    """
+    return GPipeModel(
+        sequential,
+        num_partitions=num_partitions,
+        balance=balance,
+        num_micro_batches=num_micro_batches,
+        recompute=recompute,
+        devices=devices,
+        partition_by=partition_by,
+        jit_compile=jit_compile,
+        input_shape=input_shape,
+        name=name,
+    )
+
+
+@keras.saving.register_keras_serializable(package='tf_gpipe')
+class GPipeModel(keras.Model):
+    """A keras.Sequential's layers as a GPipe pipeline; see `GPipe`."""
+
+    def __init__(
+        self,
+        sequential,
+        *,
+        num_partitions=None,
+        balance=None,
+        num_micro_batches=1,
+        recompute='except_last',
+        devices=None,
+        partition_by='flops',
+        jit_compile=False,
+        input_shape=None,
+        input_dtype=None,
+        name=None,
+        **kwargs,
+    ):
+        _check_sequential(sequential)
+        originals = _flat_layers(sequential)
+        if not originals:
+            raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
+        _check_no_masks(originals)
+        if recompute not in RECOMPUTE_POLICIES:
+            raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
+        batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
+        in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
+        splits = _splits(originals, num_partitions, balance, devices)
+        super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
+        cost_batch = _COST_BATCH.get(partition_by, 1)
+        sub = [
+            KerasLayer.Params().Set(
+                name=layer_name,
+                keras_layer=type(layer),
+                config=layer.get_config(),
+                input_shape=shape,
+                autocast=False,
+            )
+            for layer_name, layer, shape in zip(_param_names(originals), originals, in_shapes)
+        ]
+        pipe_p = PipelinedLayer.Params().Set(
+            name='gpipe',
+            sub=sub,
+            num_partitions=splits if isinstance(splits, int) else len(splits),
+            splits=None if isinstance(splits, int) else splits,
+            partition_by=partition_by,
+            input_shape=(cost_batch,) + tuple(batch_shape[1:]),
+            input_dtype=tf.as_dtype(dtype),
+            num_micro_batches=num_micro_batches,
+            recompute=recompute,
+            devices=devices,
+            jit_compile=jit_compile,
+        )
+        with tf.init_scope():
+            pipe = pipe_p.Instantiate()
+        # Not tracked by Keras: the Keras layers below are the model's weights.
+        object.__setattr__(self, '_pipe', pipe)
+        clones = [
+            layer.keras_layer
+            for cell in pipe.cells
+            for layer in cell.AllLayers()
+            if isinstance(layer, KerasLayer)
+        ]
+        for original, clone in zip(originals, clones):
+            if original.built and original.weights:
+                clone.set_weights(original.get_weights())
+        self.partition_layers = clones
+        self._out_spec = out_spec
+        self._options = dict(
+            num_micro_batches=num_micro_batches,
+            recompute=recompute,
+            devices=devices,
+            partition_by=partition_by,
+            jit_compile=jit_compile,
+        )
+        self._batch_shape, self._input_dtype = tuple(batch_shape), dtype
+        self.supports_jit = False  # One XLA cluster over K devices is not a pipeline.
+        self.built = True
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    @property
+    def pipeline(self):
+        """The PipelinedLayer that runs this model."""
+        return self._pipe
+
+    @property
+    def num_partitions(self):
+        return self._pipe.num_cells
+
+    @property
+    def balance(self):
+        """Number of layers in each partition."""
+        ends = self._pipe.splits
+        return [b - a for a, b in partition.blocks(ends)]
+
+    @property
+    def devices(self):
+        return self._pipe.devices
+
+    @property
+    def num_micro_batches(self):
+        return self._options['num_micro_batches']
+
+    def partition_table(self):
+        """The partitions as a table: layers, params, flops and activation bytes per example, device."""
+        return self._pipe.PartitionTable()
+
+    # ---- running -----------------------------------------------------------------------------
+
+    def call(self, inputs, training=None):
+        if in_symbolic_scope():  # Keras wants the output spec only: skip tracing the cells.
+            return tf.zeros(
+                tf.concat([tf.shape(inputs)[:1], self._out_spec.shape[1:]], 0),
+                self._out_spec.dtype,
+            )
+        training = bool(training)
+        step = 0
+        if training and self.optimizer is not None:
+            step = tf.convert_to_tensor(self.optimizer.iterations)  # Dropout masks depend on it.
+        with fprop_context.scope(training=training, step=step):
+            return self._pipe.FProp(inputs)
+
+    def compute_output_spec(self, inputs, training=None):
+        shape = (inputs.shape[0],) + tuple(self._out_spec.shape[1:])
+        return keras.KerasTensor(shape, dtype=self._out_spec.dtype)
+
+    def train_step(self, data):
+        logs = super().train_step(data)
+        # Batch norm: one moving-average update per step, from the whole batch's statistics.
+        self._pipe.PostTrainingStepUpdate()
+        return logs
+
+    def build(self, input_shape=None):
+        """Built at construction (every partition's weights already exist)."""
+
+    def compile(self, *args, **kwargs):
+        if kwargs.get('jit_compile') is True:
+            raise ValueError(
+                'compile(jit_compile=True) would compile the whole K-device pipeline as one XLA '
+                'cluster. Use GPipe(..., jit_compile=True) to compile each cell with XLA.'
+            )
+        kwargs['jit_compile'] = False
+        super().compile(*args, **kwargs)
+        if self.optimizer is not None:  # Slots next to their variables, on the cells' devices.
+            placement.build_optimizer(self.optimizer, self.trainable_variables)
+
+    def compile_from_config(self, config):
+        """Compiles a loaded model as it was saved (Keras skips custom compile methods)."""
+        self.compile(**keras.saving.deserialize_keras_object(config))
+
+    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_arrays(x, batch_size, 'fit')
+        validation = kwargs.get('validation_data')
+        if isinstance(validation, tuple):
+            self._check_arrays(
+                validation[0], kwargs.get('validation_batch_size') or batch_size, 'validation'
+            )
+        return super().fit(x, y, batch_size, *args, **kwargs)
+
+    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
+        self._check_arrays(x, batch_size, 'evaluate')
+        return super().evaluate(x, y, batch_size, *args, **kwargs)
+
+    def predict(self, x, batch_size=None, *args, **kwargs):
+        self._check_arrays(x, batch_size, 'predict')
+        return super().predict(x, batch_size, *args, **kwargs)
+
+    def _check_arrays(self, x, batch_size, what):
+        """Array inputs: every batch Keras will cut, the last one too, must split into M."""
+        if not isinstance(x, np.ndarray | tf.Tensor):
+            return
+        m = self.num_micro_batches
+        n = int(x.shape[0])
+        size = batch_size or 32
+        sizes = {min(size, n)} | ({n % size} if n % size else set())
+        bad = sorted(s for s in sizes if s % m)
+        if bad:
+            raise ValueError(
+                f'{what}: {n} examples in batches of {size} give a batch of {bad[0]}, which '
+                f'{m} micro-batches do not divide. Use a batch_size that is a multiple of '
+                f'num_micro_batches={m} and a number of examples that is a multiple of the '
+                'batch size (or a tf.data dataset batched with drop_remainder=True).'
+            )
+
+    # ---- saving ------------------------------------------------------------------------------
+
+    def get_config(self):
+        return dict(
+            name=self.name,
+            layers=[keras.saving.serialize_keras_object(layer) for layer in self.partition_layers],
+            input_shape=list(self._batch_shape[1:]),
+            input_dtype=self._input_dtype,
+            balance=self.balance,
+            **self._options,
+        )
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        layers = [
+            keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)
+            for c in config.pop('layers')
+        ]
+        # Unbuilt: the layers get their weights only on their devices (then Keras loads them).
+        return cls(keras.Sequential(layers), **config)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+def _check_sequential(model):
+    if isinstance(model, keras.Sequential):
+        return
+    if isinstance(model, keras.Model):
+        kind = 'functional' if type(model).__name__ == 'Functional' else 'subclassed'
+        raise TypeError(
+            f'GPipe pipelines a keras.Sequential (a chain of layers); got the {kind} model '
+            f'{model.name!r}. A model whose layers branch, merge or run custom code cannot be cut '
+            'into a chain of cells: rewrite it as keras.Sequential([...]) (a block with several '
+            'inputs can become one custom layer), or build a PipelinedLayer with cell_tpl.'
+        )
+    raise TypeError(f'GPipe takes a keras.Sequential, got {type(model).__name__}: {model!r}.')
+
+
+def _flat_layers(sequential):
+    """The Sequential's layers, nested Sequentials expanded in place."""
+    out = []
+    for layer in sequential.layers:
+        out.extend(_flat_layers(layer) if isinstance(layer, keras.Sequential) else [layer])
+    return out
+
+
+def _check_no_masks(layers):
+    for layer in layers:
+        masking = isinstance(layer, keras.layers.Masking) or (
+            isinstance(layer, keras.layers.Embedding) and layer.mask_zero
+        )
+        if masking:
+            raise ValueError(
+                f'Layer {layer.name!r} produces a Keras mask, which is not carried from one '
+                'cell to the next. Drop the mask (Embedding(mask_zero=False), no Masking layer) '
+                'and pass padding explicitly, e.g. as sample weights.'
+            )
+
+
+def _batch_shape(sequential, input_shape, input_dtype):
+    """(batch shape with None batch, input dtype) from input_shape or the built Sequential."""
+    if input_shape is not None:
+        return (None,) + tuple(input_shape), input_dtype or 'float32'
+    try:
+        spec = sequential.inputs[0]
+    except (AttributeError, ValueError, IndexError, TypeError):
+        spec = None
+    if spec is None:
+        raise ValueError(
+            f'GPipe needs the input shape of {sequential.name!r}: start the Sequential with '
+            'keras.Input(shape=...), or pass input_shape=(...) without the batch dimension.'
+        )
+    return (None,) + tuple(spec.shape[1:]), input_dtype or spec.dtype
+
+
+def _layer_shapes(layers, batch_shape, dtype):
+    """Each layer's input batch shape, and the model's output KerasTensor."""
+    spec = keras.KerasTensor(batch_shape, dtype=dtype)
+    shapes = []
+    for layer in layers:
+        shapes.append(tuple(spec.shape))
+        try:
+            if layer.built:
+                spec = layer.compute_output_spec(spec)
+            else:
+                with keras.StatelessScope():  # Builds a copy without allocating weights.
+                    copy = type(layer).from_config(layer.get_config())
+                    copy.build(spec.shape)
+                    spec = copy.compute_output_spec(spec)
+        except Exception as e:
+            raise ValueError(
+                f'Layer {layer.name!r} ({type(layer).__name__}) cannot take input shape '
+                f'{tuple(spec.shape)}: {e}'
+            ) from e
+        if isinstance(spec, list | tuple):
+            raise ValueError(
+                f'Layer {layer.name!r} returns {len(spec)} outputs; a Sequential layer returns one.'
+            )
+    return shapes, spec
+
+
+def _splits(layers, num_partitions, balance, devices):
+    """Explicit ending indices (a list) from balance, or K (an int) to balance automatically."""
+    n = len(layers)
+    if balance is not None:
+        if num_partitions is not None and num_partitions != len(balance):
+            raise ValueError(
+                f'num_partitions={num_partitions} but balance={list(balance)} has '
+                f'{len(balance)} entries; give one of them.'
+            )
+        if any(not isinstance(b, int | np.integer) or b < 1 for b in balance):
+            raise ValueError(f'balance must be positive layer counts, got {list(balance)}.')
+        if sum(balance) != n:
+            raise ValueError(
+                f'balance={list(balance)} covers {sum(balance)} layers; the model has {n}: '
+                f'{", ".join(layer.name for layer in layers)}.'
+            )
+        return [int(x) for x in np.cumsum(balance)]
+    if num_partitions is None:
+        if devices is not None:
+            num_partitions = len(devices)
+        else:
+            from tf_gpipe import cluster
+
+            num_partitions = cluster.current_mesh().num_stages
+    if not isinstance(num_partitions, int) or num_partitions < 1:
+        raise ValueError(f'num_partitions must be a positive int, got {num_partitions!r}.')
+    if num_partitions > n:
+        raise ValueError(
+            f'num_partitions={num_partitions} is more than the {n} layers of the model: every '
+            f'partition needs at least one layer. Use num_partitions <= {n}.'
+        )
+    return num_partitions
+
+
+def _param_names(layers):
+    """Unique Python identifiers from the Keras layer names (our layer names must be)."""
+    names, seen = [], set()
+    for layer in layers:
+        base = re.sub(r'\W', '_', layer.name)
+        base = base if base and not base[0].isdigit() else f'layer_{base}'
+        name, i = base, 1
+        while name in seen:
+            name, i = f'{base}_{i}', i + 1
+        seen.add(name)
+        names.append(name)
+    return names

@@ -1,0 +1,145 @@
+"""Keras layers with randomness or batch statistics, made safe to recompute and to micro-batch.
+
+Two Keras behaviours break a pipeline's exactness, and this module fixes each for a wrapped
+Keras layer (and every layer nested in it):
+
+- Random layers (Dropout, GaussianNoise, ...) draw from a `SeedGenerator` whose state advances
+  on every call, so a recompute would draw a new mask. `replay_seeds` sets each generator's
+  counter from (step, micro-batch) before a call: the forward and its recompute draw the same
+  numbers, and every step and micro-batch still draws different ones.
+- BatchNormalization moves its moving averages on every training call: M times per step (plus
+  the recomputes), each from one micro-batch. `BatchNormStats` takes over its training call:
+  it normalises with the micro-batch's statistics exactly as Keras does, adds the micro-batch's
+  sums to accumulators (not in a recompute), and `apply()` moves the averages once per step
+  with the statistics of the whole batch.
+"""
+
+import keras
+import tensorflow as tf
+
+from tf_gpipe import fprop_context
+
+# A call's counter is (step * _MAX_MICRO_BATCHES + micro_batch) * _DRAWS_PER_CALL: room for
+# that many draws per generator per call before two calls could share a seed.
+_MAX_MICRO_BATCHES = 1 << 12
+_DRAWS_PER_CALL = 1 << 16
+
+
+def sublayers(layer):
+    """`layer` and every Keras layer nested in it."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
+
+
+def seed_generators(layer):
+    """The SeedGenerators of `layer` and its nested layers."""
+    out = []
+    for sub in sublayers(layer):
+        for gen in getattr(sub, '_seed_generators', []):
+            if all(gen is not g for g in out):
+                out.append(gen)
+    return out
+
+
+def replay_seeds(generators):
+    """Sets every generator's counter from the current step and micro-batch (if any)."""
+    ctx = fprop_context.current()
+    if ctx.step is None or not generators:
+        return
+    step = tf.cast(ctx.step, tf.int64)
+    micro = tf.cast(ctx.seed_offset, tf.int64)
+    counter = (step * _MAX_MICRO_BATCHES + micro) * _DRAWS_PER_CALL
+    for gen in generators:
+        state = gen.state
+        seed = tf.cast(state.value[0], tf.int64)
+        state.assign(tf.cast(tf.stack([seed, counter]), state.dtype))
+
+
+class BatchNormStats:
+    """Micro-batch training calls and one moving-average update per step for a Keras BN layer.
+
+    Installs itself as the layer's `call` (the layer object and its weights stay Keras'), so
+    it also works for a BatchNormalization nested inside another Keras layer. Outside
+    training it defers to Keras' own call.
+    """
+
+    def __init__(self, layer):
+        if layer.renorm:
+            raise ValueError(
+                f'BatchNormalization {layer.name!r} uses renorm=True, whose moving statistics '
+                'cannot be pooled over micro-batches; use renorm=False in a pipeline.'
+            )
+        self.layer = layer
+        self._keras_call = layer.call
+        shape = tuple(layer.moving_mean.shape)
+        with tf.init_scope(), tf.device(layer.moving_mean.value.device):
+            # Sums of (x - moving_mean) and its square: shifting by the moving mean, which is
+            # constant within a step, keeps E[x^2] - E[x]^2 accurate in float32.
+            self._count = tf.Variable(0.0, trainable=False, name=f'{layer.name}_acc_count')
+            self._sum = tf.Variable(tf.zeros(shape), trainable=False, name=f'{layer.name}_acc_sum')
+            self._sum_sq = tf.Variable(
+                tf.zeros(shape), trainable=False, name=f'{layer.name}_acc_sum_sq'
+            )
+        layer.call = self.call
+
+    @property
+    def accumulators(self):
+        return [self._count, self._sum, self._sum_sq]
+
+    def call(self, inputs, training=None, mask=None):
+        layer = self.layer
+        if not (training and layer.trainable):
+            return self._keras_call(inputs, training=training, mask=mask)
+        if mask is not None:
+            raise ValueError(
+                f'BatchNormalization {layer.name!r} got a mask; masked batch statistics are not '
+                'supported in a pipeline.'
+            )
+        # Keras' own training computation, minus its per-call moving-average update.
+        x = tf.cast(inputs, keras.backend.result_type(inputs.dtype, 'float32'))
+        mean, variance = layer._moments(x, None)
+        gamma = tf.cast(layer.gamma, x.dtype) if layer.scale else None
+        beta = tf.cast(layer.beta, x.dtype) if layer.center else None
+        if not fprop_context.current().recompute:
+            self._Accumulate(x)
+        out = keras.ops.batch_normalization(
+            x, mean, variance, axis=layer.axis, offset=beta, scale=gamma, epsilon=layer.epsilon
+        )
+        return tf.cast(out, layer.compute_dtype)
+
+    def _Accumulate(self, x):
+        layer = self.layer
+        axes = list(layer._reduction_axes)
+        shape = [1] * x.shape.rank
+        shape[layer.axis] = x.shape[layer.axis]
+        moving_mean = tf.reshape(tf.cast(layer.moving_mean, x.dtype), shape)
+        shifted = x - moving_mean
+        self._count.assign_add(tf.cast(tf.size(x) // tf.size(layer.moving_mean), tf.float32))
+        self._sum.assign_add(tf.reshape(tf.reduce_sum(shifted, axes), self._sum.shape))
+        self._sum_sq.assign_add(
+            tf.reshape(tf.reduce_sum(tf.square(shifted), axes), self._sum.shape)
+        )
+
+    def apply(self):
+        """Moves the averages with the step's pooled statistics (if any), then clears them."""
+        layer = self.layer
+        count = tf.maximum(self._count, 1.0)
+        shifted_mean = self._sum / count
+        variance = tf.maximum(self._sum_sq / count - tf.square(shifted_mean), 0.0)
+        mean = tf.cast(layer.moving_mean, tf.float32) + shifted_mean
+        seen = self._count > 0
+        momentum = layer.momentum
+        for var, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
+            old = tf.cast(var, tf.float32)
+            new = tf.where(seen, old * momentum + value * (1.0 - momentum), old)
+            var.assign(tf.cast(new, var.dtype))
+        for acc in self.accumulators:
+            acc.assign(tf.zeros_like(acc))
+
+
+def batch_norm_stats(layer):
+    """A BatchNormStats for every BatchNormalization in `layer` (nested ones included)."""
+    return [
+        BatchNormStats(sub)
+        for sub in sublayers(layer)
+        if isinstance(sub, keras.layers.BatchNormalization)
+    ]
