@@ -107,6 +107,25 @@ def test_sample_weights_and_loss_reductions(reduction):
     _assert_same_weights(pipe, plain)
 
 
+def test_weight_regularizers_count_in_the_loss():
+    def model():
+        keras.utils.set_random_seed(0)
+        l2 = keras.regularizers.L2(0.05)
+        return keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16, activation='relu', kernel_regularizer=l2),
+                keras.layers.Dense(3, activation='softmax', bias_regularizer=l2),
+            ]
+        )
+
+    plain = _compile(model())
+    pipe = _compile(GPipe(model(), num_partitions=2, num_micro_batches=2))
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)
+
+
 def test_a_loss_that_mixes_the_batch_is_exact():
     """The loss sees the merged batch, so even a loss across examples is the plain one."""
 
@@ -372,5 +391,10 @@ def test_bad_input_errors():
     masked = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 4, mask_zero=True)])
     with pytest.raises(ValueError, match='mask'):
         GPipe(masked)
+    active = keras.Sequential(
+        [keras.Input((5,)), keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2())]
+    )
+    with pytest.raises(ValueError, match='activity_regularizer'):
+        GPipe(active)
     with pytest.raises(ValueError, match=r'GPipe\(..., jit_compile=True\)'):
         GPipe(_mlp(), num_partitions=2).compile(optimizer='sgd', loss='mse', jit_compile=True)

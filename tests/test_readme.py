@@ -37,3 +37,13 @@ def test_pipeline_example_trains():
     result = _run(block)
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'fc6 .. softmax (3)' in result.stdout and '(32, 10)' in result.stdout
+
+
+def test_keras_example_trains_saves_and_restores():
+    block = next(b for b in _python_blocks() if 'from tf_gpipe.keras import GPipe' in b)
+    result = _run(block)
+    assert result.returncode == 0, result.stderr[-2000:]
+    accuracy = float(re.search(r'accuracy (\d\.\d+)', result.stdout).group(1))
+    assert accuracy > 0.9, result.stdout
+    assert 'dense' in result.stdout and '/device:CPU:3' in result.stdout
+    assert result.stdout.rstrip().endswith('True'), result.stdout

@@ -99,7 +99,7 @@ class GPipeModel(keras.Model):
         originals = _flat_layers(sequential)
         if not originals:
             raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
-        _check_no_masks(originals)
+        _check_supported(originals)
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
         batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
@@ -310,8 +310,16 @@ def _flat_layers(sequential):
     return out
 
 
-def _check_no_masks(layers):
+def _check_supported(layers):
+    """Refuses what a chain of cells cannot carry: Keras masks and activity losses."""
     for layer in layers:
+        for sub in layer._flatten_layers(include_self=True, recursive=True):
+            if getattr(sub, 'activity_regularizer', None) is not None:
+                raise ValueError(
+                    f'Layer {sub.name!r} has an activity_regularizer, whose loss would be made '
+                    'inside a cell and cannot reach fit(). Use a weight regularizer '
+                    '(kernel_regularizer=...) or add the penalty to the compiled loss.'
+                )
         masking = isinstance(layer, keras.layers.Masking) or (
             isinstance(layer, keras.layers.Embedding) and layer.mask_zero
         )
