@@ -44,10 +44,11 @@ class LocalCluster:
     """`num_workers` TF workers on loopback, plus a 'client' task for this process.
 
     Use as a context manager; workers are always killed on exit. `cores` pins worker i to core
-    cores[i] (with one intra-op and one inter-op thread) when `taskset` exists.
+    cores[i] (with one intra-op and two inter-op threads) when `taskset` exists; `env` adds to
+    the workers' environment (e.g. TF_CPU_BFC_MEM_LIMIT_IN_MB, a per-worker memory budget).
     """
 
-    def __init__(self, num_workers, cores=None, job_name='worker', start_timeout=60.0):
+    def __init__(self, num_workers, cores=None, job_name='worker', start_timeout=60.0, env=None):
         if num_workers < 1:
             raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
         self.num_workers = num_workers
@@ -58,6 +59,7 @@ class LocalCluster:
             'client': [f'127.0.0.1:{ports[-1]}'],
         }
         self._cores = cores
+        self._env = dict(env or {})  # extra environment of the workers (e.g. a memory budget)
         self._timeout = start_timeout
         self.processes = []
 
@@ -72,7 +74,7 @@ class LocalCluster:
         return [self.device(i) for i in range(self.num_workers)]
 
     def start(self):
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+        env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', **self._env}
         for i in range(self.num_workers):
             cmd = [sys.executable, '-c', _WORKER_MAIN, json.dumps(self.spec), self.job_name, str(i)]
             worker_env = dict(env)

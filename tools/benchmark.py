@@ -1,129 +1,168 @@
-"""Pipeline speed-up across TF worker processes: K stages on K single-core workers vs K=1.
+"""The GPipe paper's Table 2 at small scale: training throughput over K and M, and overheads.
 
-    python tools/benchmark.py --num_stages=2 --num_micro_batches=8 --recompute=always
+    python tools/benchmark.py                       # transformer and amoebanet, K in {1, 2}
+    python tools/benchmark.py --families=fc --micro_batches=8 --json
 
-Each stage runs in its own TF worker process on 127.0.0.1, pinned to one core (taskset, one
-intra-op thread); this process is the client. A training step (forward, backward, SGD update,
-all on the workers) of a deep FC stack is timed for K=1 (every layer on worker 0) and for K
-stages, with the same M and recompute policy. Printed: step times, speed-up, the bubble bound
-K*M/(M+K-1) and efficiency = speed-up / bound. --json for machine-readable output.
+Every stage is its own TF worker process on 127.0.0.1, pinned to one core (taskset, one
+intra-op thread); this process is the client, and variables, updates and the input live on the
+workers. For each model family and M, a training step (forward, backward, SGD update) is timed
+for K=1 (every layer on worker 0) and K=2..num_stages, alternating the step functions so that
+drift in the machine's load hits all alike (median of --steps). Printed per family:
+
+- throughput table: examples/s, normalised to K=2, M=1 as in the paper, and for K>1 the
+  speed-up over K=1 at the same M, the bubble bound K*M/(M+K-1) and efficiency = speed-up/bound;
+- overheads on one worker: PipelinedLayer K=1, M=1, recompute='never' against the plain layer
+  sequence's step (target <= 1.05), and each recompute policy at M=1 and at M=8 (the cost of
+  micro-batching itself is M=8 over M=1 with the same policy).
 """
 
 import json
 import os
-import time
 
-os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tf_gpipe import gpipe, layers, local_cluster  # noqa: E402
-
-STAGES = flags.DEFINE_integer('num_stages', 2, 'K: stages (one single-core worker each).')
-MICRO = flags.DEFINE_integer('num_micro_batches', 8, 'M.')
-POLICY = flags.DEFINE_enum('recompute', 'always', gpipe.RECOMPUTE_POLICIES, 'Recompute policy.')
-LAYERS = flags.DEFINE_integer('layers', 16, 'FC layers.')
-WIDTH = flags.DEFINE_integer('width', 512, 'Layer width.')
-BATCH = flags.DEFINE_integer('batch_size', 2048, 'Examples per step.')
-STEPS = flags.DEFINE_integer('steps', 10, 'Timed steps of each (after 2 warm-up steps).')
+FAMILIES = flags.DEFINE_list('families', ['transformer', 'amoebanet'], 'transformer|amoebanet|fc')
+STAGES = flags.DEFINE_integer('num_stages', 2, 'Largest K (one single-core worker per stage).')
+MICRO = flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16', '32'], 'M values.')
+POLICY = flags.DEFINE_enum(
+    'recompute', 'always', ['always', 'except_last', 'never'], 'Policy of the throughput table.'
+)
+OVERHEAD_M = flags.DEFINE_integer('overhead_micro_batches', 8, 'M of the overhead rows.')
+STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-ups).')
+OVERHEADS = flags.DEFINE_bool('overheads', True, 'Also measure the overhead rows.')
+KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default below).")
+BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
-
-def _sub():
-    return [
-        layers.FCLayer.Params().Set(
-            name=f'fc{i}', input_dim=WIDTH.value, output_dim=WIDTH.value, activation='RELU'
-        )
-        for i in range(LAYERS.value)
-    ]
+# Sizes per family: a K=1 step of a fraction of a second to a few seconds on one core.
+CONFIGS = {
+    'transformer': dict(knob=4, batch=64, overrides=dict(seq_len=64)),
+    'amoebanet': dict(knob=1, batch=64, overrides=dict(image_size=32)),
+    'fc': dict(knob=16, batch=2048, overrides=dict(width=512)),
+}
 
 
-def _step_fn(devices, num_stages):
-    """A compiled training step of the FC stack cut into `num_stages` stages on `devices`."""
-    pipe = (
-        gpipe.PipelinedLayer.Params()
-        .Set(
-            name=f'pipe{num_stages}',
-            sub=_sub(),
-            num_partitions=num_stages,
-            partition_by='uniform',
-            num_micro_batches=MICRO.value,
-            recompute=POLICY.value,
-            devices=devices[:num_stages],
-            random_seed=1,
-        )
-        .Instantiate()
-    )
-    with tf.device(devices[0]):
-        x = tf.random.stateless_normal([BATCH.value, WIDTH.value], [1, 2])
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(pipe.FProp(x)))
-        grads = tape.gradient(loss, pipe.trainable_variables)
-        for v, g in zip(pipe.trainable_variables, grads):
-            v.assign_sub(1e-4 * g)  # runs where v lives: on its worker
-        return loss
-
-    for _ in range(2):  # trace, warm up
-        step().numpy()
-    return step
+def _config(family):
+    c = dict(CONFIGS[family])
+    c['knob'] = KNOB.value or c['knob']
+    c['batch'] = BATCH.value or c['batch']
+    return c
 
 
-def _seconds(step):
-    start = time.perf_counter()
-    step().numpy()
-    return time.perf_counter() - start
+def _input(shape, batch, device):
+    import tensorflow as tf
+
+    with tf.device(device):
+        return tf.random.stateless_normal((batch,) + tuple(shape), [1, 2])
 
 
-def measure():
-    k, m = STAGES.value, MICRO.value
-    with local_cluster.LocalCluster(k, cores=list(range(k))) as cluster:
+def throughput(family, devices, micro_batches, policy, steps):
+    """Rows {num_stages, num_micro_batches, seconds, examples_per_s} for K = 1..len(devices)."""
+    from bench_common import build, family_layers, median_times, train_step
+
+    c = _config(family)
+    sub, shape = family_layers(family, c['knob'], **c['overrides'])
+    x = _input(shape, c['batch'], devices[0])
+    rows = []
+    for m in micro_batches:
+        ks = list(range(1, len(devices) + 1))
+        steps_fns = [train_step(build(sub, shape, devices[:k], m, policy), x) for k in ks]
+        for k, t in zip(ks, median_times(steps_fns, steps)):
+            rows.append(
+                dict(num_stages=k, num_micro_batches=m, seconds=t, examples_per_s=c['batch'] / t)
+            )
+    return rows
+
+
+def overheads(family, device, m, steps):
+    """Rows {name, seconds, vs_plain} on one worker: plain, and every policy at M=1 and M=m."""
+    from bench_common import build, family_layers, median_times, train_step
+
+    c = _config(family)
+    sub, shape = family_layers(family, c['knob'], **c['overrides'])
+    x = _input(shape, c['batch'], device)
+    configs = [('plain sequence', dict(plain=True))]
+    for policy in ('never', 'except_last', 'always'):
+        for mm in (1, m):
+            configs.append((f'K=1 M={mm} {policy}', dict(num_micro_batches=mm, recompute=policy)))
+    fns = [train_step(build(sub, shape, [device], **kw), x) for _, kw in configs]
+    times = median_times(fns, steps)
+    return [dict(name=n, seconds=t, vs_plain=t / times[0]) for (n, _), t in zip(configs, times)]
+
+
+def measure(family):
+    from tf_gpipe import local_cluster
+
+    k_max = STAGES.value
+    with local_cluster.LocalCluster(k_max, cores=list(range(k_max))) as cluster:
         cluster.connect()
         devices = cluster.devices()
-        one, many = _step_fn(devices, 1), _step_fn(devices, k)
-        # Alternate the two so that drift in the machine's load hits both alike.
-        t1, tk = [], []
-        for _ in range(STEPS.value):
-            t1.append(_seconds(one))
-            tk.append(_seconds(many))
-    t1, tk = float(np.median(t1)), float(np.median(tk))
-    speedup = t1 / tk
-    bound = k * m / (m + k - 1)
+        micro = [int(m) for m in MICRO.value]
+        rows = throughput(family, devices, micro, POLICY.value, STEPS.value)
+        over = (
+            overheads(family, devices[0], OVERHEAD_M.value, STEPS.value) if OVERHEADS.value else []
+        )
+    by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
+    base = by.get((2, 1), by.get((1, 1)))
+    for r in rows:
+        k, m = r['num_stages'], r['num_micro_batches']
+        r['normalised'] = r['examples_per_s'] / base['examples_per_s'] if base else None
+        if k > 1:
+            r['speedup'] = by[(1, m)]['seconds'] / r['seconds']
+            r['bubble_bound'] = k * m / (m + k - 1)
+            r['efficiency'] = r['speedup'] / r['bubble_bound']
+    c = _config(family)
     return dict(
-        num_stages=k,
-        num_micro_batches=m,
+        family=family,
+        knob=c['knob'],
+        batch_size=c['batch'],
+        config=c['overrides'],
         recompute=POLICY.value,
-        layers=LAYERS.value,
-        width=WIDTH.value,
-        batch_size=BATCH.value,
-        step_seconds_k1=t1,
-        step_seconds_k=tk,
-        speedup=speedup,
-        bubble_bound=bound,
-        efficiency=speedup / bound,
+        throughput=rows,
+        overheads=over,
     )
+
+
+def _print(result):
+    print(
+        f'\n{result["family"]} (knob {result["knob"]}, {result["config"]}), batch '
+        f'{result["batch_size"]}, recompute={result["recompute"]}, one single-core worker per stage'
+    )
+    rows = result['throughput']
+    micro = sorted({r['num_micro_batches'] for r in rows})
+    ks = sorted({r['num_stages'] for r in rows})
+    by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
+    print('normalised throughput (K=2, M=1 = 1.00, as in the paper); examples/s in brackets')
+    print(f'{"":>8}' + ''.join(f'{"M=" + str(m):>16}' for m in micro))
+    for k in ks:
+        cells = ''.join(
+            f'{by[(k, m)]["normalised"]:>7.2f} ({by[(k, m)]["examples_per_s"]:>6.1f})'
+            for m in micro
+        )
+        print(f'{"K=" + str(k):>8}{cells}')
+    for k in ks[1:]:
+        print(f'K={k} vs K=1 at the same M: speed-up / bound K*M/(M+K-1) = efficiency')
+        for m in micro:
+            r = by[(k, m)]
+            print(
+                f'{"M=" + str(m):>8}  {r["speedup"]:.2f} / {r["bubble_bound"]:.2f} = '
+                f'{r["efficiency"]:.2f}'
+            )
+    if result['overheads']:
+        print('overheads on one worker (step seconds, ratio to the plain sequence):')
+        for r in result['overheads']:
+            print(f'  {r["name"]:<22}{r["seconds"]:>9.3f} s{r["vs_plain"]:>8.3f}')
 
 
 def main(_):
-    r = measure()
+    results = [measure(f) for f in FAMILIES.value]
     if JSON.value:
-        print(json.dumps(r))
+        print(json.dumps(results))
         return
-    print(
-        f'{r["layers"]} FC layers x {r["width"]}, batch {r["batch_size"]}, '
-        f'M={r["num_micro_batches"]}, recompute={r["recompute"]}, one single-core TF worker '
-        'per stage'
-    )
-    print(f'{"K":>3}{"step s":>10}{"speed-up":>10}{"bound":>8}{"efficiency":>12}')
-    print(f'{1:>3}{r["step_seconds_k1"]:>10.3f}{1.0:>10.2f}{1.0:>8.2f}{1.0:>12.2f}')
-    print(
-        f'{r["num_stages"]:>3}{r["step_seconds_k"]:>10.3f}{r["speedup"]:>10.2f}'
-        f'{r["bubble_bound"]:>8.2f}{r["efficiency"]:>12.2f}'
-    )
+    for r in results:
+        _print(r)
 
 
 if __name__ == '__main__':

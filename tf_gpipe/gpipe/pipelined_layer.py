@@ -12,7 +12,7 @@ batch norm — that is the full-batch gradient).
 import tensorflow as tf
 
 from tf_gpipe import base_layer, cluster, fprop_context
-from tf_gpipe.gpipe import microbatch, partition, schedule
+from tf_gpipe.gpipe import microbatch, partition, schedule, trace
 from tf_gpipe.gpipe.recompute import CellRunner
 from tf_gpipe.layers.normalization import BatchNormLayer
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
@@ -289,11 +289,13 @@ class PipelinedLayer(base_layer.BaseLayer):
             with tf.device(runner.device):
                 x = _ordered(acts[(k, m)], last_op[k])
                 mb = tf.constant(m, tf.int64)
+                t0 = trace.start(x)
                 if self._Policy(m):
                     with _stop_recording():
                         y = runner.Forward(x, step, mb)
                 else:
                     y, kept[(k, m)] = runner.ForwardKeep(x, step, mb)
+                trace.end(t0, schedule.FORWARD, k, m, y)
             last_op[k] = y
             acts[(k + 1, m)] = y
         outputs = [self._Unpack(acts[(k_cells, m)]) for m in range(m_count)]
@@ -313,10 +315,12 @@ class PipelinedLayer(base_layer.BaseLayer):
             runner, x = runners[k], acts[(k, m)]
             with tf.device(runner.device):
                 dy = _ordered(grads.pop((k + 1, m)), last_op[k])
+                t0 = trace.start(dy)
                 if (k, m) in kept:
                     d_x, d_vars = runner.BackwardKept(kept.pop((k, m)), dy)
                 else:
                     d_x, d_vars = runner.Backward(x, dy, step, tf.constant(m, tf.int64))
+                trace.end(t0, schedule.BACKWARD, k, m, (d_x, d_vars))
                 # Accumulate d_variables over micro-batches on the cell's device.
                 if var_sums[k] is None:
                     var_sums[k] = list(d_vars)

@@ -1,0 +1,98 @@
+"""The benchmark tools: their search and bubble arithmetic, and small real runs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOLS = os.path.join(ROOT, 'tools')
+sys.path.insert(0, TOOLS)
+
+import bench_common  # noqa: E402
+
+
+def _run(args, env=None, timeout=300):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3', **(env or {}))
+    proc = subprocess.run(
+        [sys.executable] + args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize('limit', [1, 5, 6, 37, 300])
+def test_largest_finds_the_last_knob_that_fits(limit):
+    tried = []
+
+    def trial(k):
+        tried.append(k)
+        return dict(ok=k <= limit, knob=k)
+
+    best, result = bench_common.largest(trial, max_knob=256, log=lambda s: None)
+    assert best == min(limit, 256) and result['knob'] == best
+    assert len(tried) <= 2 * 9  # doubling then bisection, not a linear scan
+    best, _ = bench_common.largest(trial, max_knob=256, start=4, log=lambda s: None)
+    assert best == min(limit, 256)  # a start above the answer still bisects down to it
+
+
+def test_ideal_timeline_has_the_gpipe_bubble():
+    for k, m in [(2, 8), (4, 4), (3, 16)]:
+        events = bench_common.ideal_events(k, m, 1.0, 2.0)
+        span = max(e[4] for e in events)
+        _, mean = bench_common.bubble(events, k, span)
+        assert abs(mean - (k - 1) / (m + k - 1)) < 1e-9
+
+
+def test_a_trial_fits_or_runs_out_of_memory():
+    args = [os.path.join(TOOLS, 'max_model_size.py'), '--trial=pipeline-1:1', '--batch_size=8']
+    budget = dict(TF_CPU_ALLOCATOR_USE_BFC='true')
+    fits = json.loads(_run(args, dict(budget, TF_CPU_BFC_MEM_LIMIT_IN_MB='256')).splitlines()[-1])
+    assert fits['ok'] and fits['params'] > 0 and fits['peak_step_bytes'] > 0
+    oom = json.loads(_run(args, dict(budget, TF_CPU_BFC_MEM_LIMIT_IN_MB='2')).splitlines()[-1])
+    assert not oom['ok'] and oom['error'].startswith('OOM')
+
+
+def test_timeline_draws_a_real_step(tmp_path):
+    png = str(tmp_path / 'step.png')
+    out = _run(
+        [
+            os.path.join(TOOLS, 'timeline.py'),
+            '--local',
+            '--num_micro_batches=4',
+            '--layers=4',
+            '--width=64',
+            '--batch_size=64',
+            '--steps=2',
+            f'--output={png}',
+            '--json',
+        ]
+    )
+    result = json.loads(out.splitlines()[-1])
+    assert os.path.getsize(png) > 10_000
+    assert result['bubble_ideal'] == pytest.approx(1 / 5)
+    assert 0.0 <= result['bubble_measured'] < 1.0 and result['step_ms'] > 0
+
+
+def test_benchmark_runs_on_two_workers():
+    out = _run(
+        [
+            os.path.join(TOOLS, 'benchmark.py'),
+            '--families=fc',
+            '--knob=2',
+            '--batch_size=64',
+            '--micro_batches=1,2',
+            '--overhead_micro_batches=2',
+            '--steps=1',
+            '--json',
+        ]
+    )
+    (result,) = json.loads(out.splitlines()[-1])
+    rows = {(r['num_stages'], r['num_micro_batches']): r for r in result['throughput']}
+    assert sorted(rows) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert rows[(2, 1)]['normalised'] == pytest.approx(1.0)
+    assert rows[(2, 2)]['bubble_bound'] == pytest.approx(4 / 3)
+    names = [r['name'] for r in result['overheads']]
+    assert names[0] == 'plain sequence' and 'K=1 M=2 always' in names

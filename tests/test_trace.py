@@ -1,0 +1,60 @@
+"""gpipe.trace: a timestamp pair per pipeline action, in an order the schedule allows."""
+
+import tensorflow as tf
+
+from tf_gpipe import gpipe, layers
+from tf_gpipe.gpipe import trace
+
+
+def _pipe():
+    sub = [
+        layers.FCLayer.Params().Set(name=f'fc{i}', input_dim=8, output_dim=8, activation='TANH')
+        for i in range(4)
+    ]
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=sub,
+            num_partitions=2,
+            partition_by='uniform',
+            num_micro_batches=3,
+            devices=['/device:CPU:0', '/device:CPU:1'],
+            random_seed=1,
+        )
+        .Instantiate()
+    )
+
+
+def test_events_follow_the_data_dependencies():
+    pipe = _pipe()
+    x = tf.random.stateless_normal([6, 8], [1, 2])
+    with trace.record() as events:
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(pipe.FProp(x))
+            grads = tape.gradient(loss, pipe.trainable_variables)
+            return grads, [tf.stack([e.start, e.end]) for e in events]
+
+        _, stamps = step()
+    assert [(e.phase, e.stage, e.micro_batch) for e in events] == [
+        (a.phase, a.stage, a.micro_batch) for a in gpipe.schedule.gpipe_schedule(2, 3)
+    ]
+    times = {(e.phase, e.stage, e.micro_batch): s.numpy() for e, s in zip(events, stamps)}
+    for (phase, stage, m), (start, end) in times.items():
+        assert start <= end
+        if phase == 'F' and stage == 1:  # needs stage 0's output of the same micro-batch
+            assert times[('F', 0, m)][1] <= end
+        if phase == 'B' and stage == 0:
+            assert times[('B', 1, m)][1] <= end
+    assert times[('F', 1, 2)][1] <= times[('B', 1, 2)][1]
+
+
+def test_nothing_is_recorded_outside_record():
+    pipe = _pipe()
+    with trace.record() as events:
+        pass
+    pipe.FProp(tf.zeros([6, 8]))
+    assert events == []

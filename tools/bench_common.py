@@ -1,0 +1,164 @@
+"""What the benchmark tools share: the model families and a timed Adam/SGD training step."""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gpipe import gpipe, layers
+from tf_gpipe.gpipe import schedule
+from tf_gpipe.layers.amoebanet import AmoebaNetLayers
+
+# Model families: the knob grows the model (Transformer layers; AmoebaNet normal cells per stack).
+FAMILIES = {
+    'transformer': dict(model_dim=128, num_heads=4, hidden_dim=512, seq_len=128),
+    'amoebanet': dict(filters=16, image_size=32, num_classes=10),
+    'fc': dict(width=512),
+}
+
+
+def family_layers(family, knob, **overrides):
+    """(layer params, input shape without the batch) of `family` grown to `knob`."""
+    c = dict(FAMILIES[family], **overrides)
+    if family == 'transformer':
+        sub = [
+            layers.TransformerLayer.Params().Set(
+                name=f'layer{i}',
+                input_dim=c['model_dim'],
+                num_heads=c['num_heads'],
+                hidden_dim=c['hidden_dim'],
+                causal=True,
+            )
+            for i in range(knob)
+        ]
+        return sub, (c['seq_len'], c['model_dim'])
+    if family == 'amoebanet':
+        sub = AmoebaNetLayers(3 * knob, c['filters'], c['num_classes'])
+        return sub, (c['image_size'], c['image_size'], 3)
+    sub = [
+        layers.FCLayer.Params().Set(
+            name=f'fc{i}', input_dim=c['width'], output_dim=c['width'], activation='RELU'
+        )
+        for i in range(knob)
+    ]
+    return sub, (c['width'],)
+
+
+def build(sub, input_shape, devices, num_micro_batches=1, recompute='never', plain=False):
+    """The plain layer sequence on devices[0] (plain=True) or a PipelinedLayer on devices."""
+    if plain:
+        with tf.device(devices[0]):
+            return layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name=f'pipe{len(devices)}',
+            sub=sub,
+            num_partitions=len(devices),
+            partition_by='flops',
+            input_shape=(1,) + tuple(input_shape),
+            num_micro_batches=num_micro_batches,
+            recompute=recompute,
+            devices=list(devices),
+            random_seed=1,
+        )
+        .Instantiate()
+    )
+
+
+def train_step(model, x, optimizer=None, trace_events=None):
+    """A tf.function training step: loss, gradients, update (on the variables' devices).
+
+    With `trace_events` (a list from gpipe.trace.record()), the step also returns the
+    [start, end] timestamps of every recorded pipeline action.
+    """
+    variables = model.trainable_variables
+
+    def run():
+        with tf.GradientTape() as tape:
+            out = model.FProp(x)
+            out = out[0] if isinstance(out, tuple) else out
+            loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
+        grads = tape.gradient(loss, variables)
+        if optimizer is None:
+            for v, g in zip(variables, grads):
+                v.assign_sub(1e-6 * g)  # plain SGD, run where v lives
+        else:
+            optimizer.apply_gradients(zip(grads, variables))
+        return loss
+
+    if trace_events is None:
+        return tf.function(run)
+
+    @tf.function
+    def traced():
+        loss = run()
+        return loss, [tf.stack([e.start, e.end]) for e in trace_events]
+
+    return traced
+
+
+def seconds(step):
+    start = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy(), step())
+    return time.perf_counter() - start
+
+
+def median_times(steps, repeats, warmup=2):
+    """Median seconds of each step function, timed alternately so machine drift hits all alike."""
+    for step in steps:
+        for _ in range(warmup):
+            seconds(step)
+    times = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            times[i].append(seconds(step))
+    return [float(np.median(t)) for t in times]
+
+
+def largest(trial, max_knob, start=1, log=print):
+    """(largest knob k with trial(k) ok, its result): doubling from `start`, then bisection."""
+    best, best_result = 0, None
+    knob, fail = max(start, 1), None
+    while knob <= max_knob:
+        result = trial(knob)
+        log(f'  knob {knob}: {"ok" if result["ok"] else "fails"}')
+        if not result['ok']:
+            fail = knob
+            break
+        best, best_result = knob, result
+        knob *= 2
+    if fail is None:
+        return best, best_result
+    lo, hi = best, fail  # lo ok (or 0), hi fails
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        result = trial(mid)
+        log(f'  knob {mid}: {"ok" if result["ok"] else "fails"}')
+        if result['ok']:
+            lo, best_result = mid, result
+        else:
+            hi = mid
+    return lo, best_result
+
+
+def bubble(events, num_stages, span):
+    """Measured idle share of each device over the step span, and their mean."""
+    idle = []
+    for k in range(num_stages):
+        busy = sum(end - start for _, stage, _, start, end in events if stage == k)
+        idle.append(1.0 - busy / span)
+    return idle, float(np.mean(idle))
+
+
+def ideal_events(num_stages, num_micro_batches, t_forward, t_backward):
+    """The fill-drain schedule with uniform durations: [(phase, stage, m, start, end)]."""
+    out = []
+    fill = num_micro_batches + num_stages - 1
+    for a in schedule.gpipe_schedule(num_stages, num_micro_batches):
+        if a.phase == schedule.FORWARD:
+            start, length = a.clock * t_forward, t_forward
+        else:
+            start, length = fill * t_forward + (a.clock - fill) * t_backward, t_backward
+        out.append((a.phase, a.stage, a.micro_batch, start, start + length))
+    return out

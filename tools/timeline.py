@@ -1,0 +1,162 @@
+"""A picture of one GPipe training step as it ran: one row per device, a bar per action.
+
+    python tools/timeline.py --num_stages=2 --num_micro_batches=8 --output=runs/timeline.png
+
+K single-core TF worker processes on 127.0.0.1 (one per stage) run a pipelined training step
+of a deep FC stack. Every cell call is bracketed by tf.timestamp() ops on its device
+(gpipe.trace), so each forward (F) and backward-with-recompute (B) of each micro-batch is drawn
+where it really ran; the ideal fill-drain schedule, with the same mean F and B durations, is
+drawn underneath. Printed: the measured bubble (idle share of each device between the step's
+first and last action) next to (K-1)/(M+K-1). Needs matplotlib (pip install -e .[plot]).
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+STAGES = flags.DEFINE_integer('num_stages', 2, 'K: stages, one single-core worker each.')
+MICRO = flags.DEFINE_integer('num_micro_batches', 8, 'M.')
+POLICY = flags.DEFINE_enum('recompute', 'always', ['always', 'except_last', 'never'], 'Policy.')
+LAYERS = flags.DEFINE_integer('layers', 16, 'FC layers.')
+WIDTH = flags.DEFINE_integer('width', 512, 'Layer width.')
+BATCH = flags.DEFINE_integer('batch_size', 2048, 'Examples per step.')
+STEPS = flags.DEFINE_integer('steps', 5, 'Steps measured; the median-length one is drawn.')
+OUTPUT = flags.DEFINE_string('output', 'runs/timeline.png', 'PNG to write.')
+LOCAL = flags.DEFINE_bool('local', False, 'Logical CPUs in this process instead of workers.')
+JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+
+
+def measure(num_stages, num_micro_batches, recompute, layers, width, batch, steps, local):
+    """(events [(phase, stage, micro_batch, start_s, end_s)], step span s) of a real step."""
+    import tensorflow as tf
+    from bench_common import build, family_layers, train_step
+
+    from tf_gpipe import cluster as cluster_lib
+    from tf_gpipe import local_cluster
+    from tf_gpipe.gpipe import trace
+
+    workers = None
+    if local:
+        cluster_lib.logical_cpus(num_stages)
+        devices = [f'/device:CPU:{i}' for i in range(num_stages)]
+    else:
+        cores = list(range(num_stages))
+        workers = local_cluster.LocalCluster(num_stages, cores=cores).start().connect()
+        devices = workers.devices()
+    try:
+        sub, shape = family_layers('fc', layers, width=width)
+        model = build(sub, shape, devices, num_micro_batches, recompute)
+        with tf.device(devices[0]):
+            x = tf.random.stateless_normal((batch,) + shape, [1, 2])
+        with trace.record() as events:
+            step = train_step(model, x, trace_events=events)
+            step()  # trace while recording
+        runs = []
+        for _ in range(steps + 1):
+            _, stamps = step()
+            runs.append(np.array([s.numpy() for s in stamps]))
+        runs = runs[1:]  # the first run warms up
+        spans = [r[:, 1].max() - r[:, 0].min() for r in runs]
+        chosen = runs[int(np.argsort(spans)[len(spans) // 2])]
+        t0 = chosen[:, 0].min()
+        out, last_end = [], {}
+        for e, (a, b) in zip(events, chosen):  # events are in each device's run order
+            # A start stamp fires when the call's inputs exist; the device itself is free only
+            # when its previous call has ended (it runs its calls one after another).
+            a = max(a, last_end.get(e.stage, a))
+            last_end[e.stage] = b
+            out.append((e.phase, e.stage, e.micro_batch, float(a - t0), float(b - t0)))
+        return out, float(chosen[:, 1].max() - t0)
+    finally:
+        if workers is not None:
+            workers.stop()
+
+
+def draw(path, measured, ideal, num_stages, num_micro_batches, title):
+    import matplotlib
+
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+
+    colors = {'F': '#4C72B0', 'B': '#DD8452'}
+    fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 1.1 * num_stages * 2), sharex=True)
+    for ax, (label, events) in zip(axes, (('measured', measured), ('ideal GPipe', ideal))):
+        for phase, stage, m, start, end in events:
+            ax.broken_barh(
+                [(start * 1e3, (end - start) * 1e3)],
+                (num_stages - 1 - stage - 0.4, 0.8),
+                facecolors=colors[phase],
+                edgecolor='white',
+                linewidth=0.5,
+            )
+            if (end - start) * 1e3 > 0.02 * max(e[4] for e in events) * 1e3:
+                ax.text(
+                    (start + end) / 2 * 1e3,
+                    num_stages - 1 - stage,
+                    str(m),
+                    ha='center',
+                    va='center',
+                    fontsize=7,
+                    color='white',
+                )
+        ax.set_yticks(range(num_stages))
+        ax.set_yticklabels([f'device {k}' for k in reversed(range(num_stages))])
+        ax.set_title(label, loc='left', fontsize=10)
+    axes[-1].set_xlabel(
+        'ms since the step began  (blue: forward F of micro-batch m; orange: '
+        'recompute + backward B)'
+    )
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(_):
+    import bench_common
+
+    k, m = STAGES.value, MICRO.value
+    events, span = measure(
+        k, m, POLICY.value, LAYERS.value, WIDTH.value, BATCH.value, STEPS.value, LOCAL.value
+    )
+    per_device, measured = bench_common.bubble(events, k, span)
+    t_f = float(np.mean([e - s for p, _, _, s, e in events if p == 'F']))
+    t_b = float(np.mean([e - s for p, _, _, s, e in events if p == 'B']))
+    ideal = bench_common.ideal_events(k, m, t_f, t_b)
+    expected = (k - 1) / (m + k - 1)
+    title = (
+        f'K={k}, M={m}, recompute={POLICY.value}: {LAYERS.value} FC x {WIDTH.value}, batch '
+        f'{BATCH.value}. Bubble measured {measured:.3f}, (K-1)/(M+K-1) = {expected:.3f}'
+    )
+    draw(OUTPUT.value, events, ideal, k, m, title)
+    result = dict(
+        num_stages=k,
+        num_micro_batches=m,
+        recompute=POLICY.value,
+        step_ms=span * 1e3,
+        forward_ms=t_f * 1e3,
+        backward_ms=t_b * 1e3,
+        bubble_measured=measured,
+        bubble_per_device=per_device,
+        bubble_ideal=expected,
+        output=OUTPUT.value,
+    )
+    if JSON.value:
+        print(json.dumps(result))
+        return
+    print(title)
+    print(
+        f'step {span * 1e3:.1f} ms; mean F {t_f * 1e3:.2f} ms, mean B {t_b * 1e3:.2f} ms; idle '
+        'per device ' + ', '.join(f'{b:.3f}' for b in per_device)
+    )
+    print(f'wrote {OUTPUT.value}')
+
+
+if __name__ == '__main__':
+    sys.exit(app.run(main))
