@@ -107,16 +107,26 @@ def main(argv):
         return
     if not LOGDIR.value:
         raise app.UsageError('--logdir is required for train and eval.')
-    mesh_scope = _connect()
-    t = trainer.Trainer(p, LOGDIR.value)
-    if mesh_scope is not None:
-        with mesh_scope:
-            t.Build()
-    if MODE.value == 'eval':
-        t.Evaluate()
-    else:
-        last = t.Train(eval_too=MODE.value == 'train_and_eval')
-        logging.info('Done: %s', last)
+    import tensorflow as tf
+
+    try:
+        mesh_scope = _connect()
+        t = trainer.Trainer(p, LOGDIR.value)
+        if mesh_scope is not None:
+            with mesh_scope:
+                t.Build()
+        if MODE.value == 'eval':
+            t.Evaluate()
+        else:
+            last = t.Train(eval_too=MODE.value == 'train_and_eval')
+            logging.info('Done: %s', last)
+    except (RuntimeError, FloatingPointError, ValueError) as e:
+        sys.exit(f'trainer: {e}')  # diverged, bad logdir, unreadable or foreign checkpoint
+    except tf.errors.UnavailableError as e:
+        sys.exit(
+            f'trainer: a TF worker is unreachable ({str(e).splitlines()[0][:300]}). Restart it '
+            'and run the same command: training resumes from the last checkpoint.'
+        )
 
 
 if __name__ == '__main__':

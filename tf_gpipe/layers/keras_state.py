@@ -126,7 +126,8 @@ class BatchNormStats:
         shifted_mean = self._sum / count
         variance = tf.maximum(self._sum_sq / count - tf.square(shifted_mean), 0.0)
         mean = tf.cast(layer.moving_mean, tf.float32) + shifted_mean
-        seen = self._count > 0
+        # Nothing seen, or a diverged step's statistics: keep the averages (and clear).
+        seen = (self._count > 0) & tf.math.is_finite(mean) & tf.math.is_finite(variance)
         momentum = layer.momentum
         for var, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
             old = tf.cast(var, tf.float32)

@@ -71,7 +71,8 @@ class BatchNormLayer(base_layer.BaseLayer):
     def PostTrainingStepUpdate(self):
         v = self.vars
         mean, variance = self.StepStatistics()
-        seen = v.acc_count > 0
+        # Nothing seen, or a diverged step's statistics: keep the averages (and clear).
+        seen = (v.acc_count > 0) & tf.math.is_finite(mean) & tf.math.is_finite(variance)
         decay = self.params.decay
         v.moving_mean.assign(
             tf.where(seen, decay * v.moving_mean + (1 - decay) * mean, v.moving_mean)

@@ -28,6 +28,13 @@ def TrainParams():
     p.Define('eval_interval_steps', 200, "Evaluate every this many steps ('train_and_eval').")
     p.Define('eval_steps', 4, 'Batches per evaluation.')
     p.Define('max_checkpoints_to_keep', 5, 'Older checkpoints are deleted.')
+    p.Define(
+        'nonfinite_policy',
+        'stop',
+        "A step whose loss or gradient is NaN/Inf changes nothing, then: 'stop' (an error "
+        "naming the step; the last checkpoint stays the last good state) or 'skip' (training "
+        'goes on; the step is counted in nonfinite_steps).',
+    )
     return p
 
 

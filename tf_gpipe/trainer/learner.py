@@ -83,8 +83,12 @@ class Learner:
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
 
-    def Apply(self, grads, variables, regularized=()):
-        """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate)."""
+    def Apply(self, grads, variables, regularized=(), apply_if=None):
+        """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate).
+
+        With `apply_if` (a scalar bool tensor) the update runs only where it is true, so a
+        step with a non-finite loss or gradient changes neither weights nor optimizer state.
+        """
         p = self.params
         grads = [
             tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
@@ -100,5 +104,13 @@ class Learner:
         if p.clip_gradient_norm:
             grads, _ = tf.clip_by_global_norm(grads, p.clip_gradient_norm, use_norm=grad_norm)
         lr = self.schedule(self.optimizer.iterations)
-        self.optimizer.apply_gradients(zip(grads, variables))
+
+        def apply():
+            self.optimizer.apply_gradients(zip(grads, variables))
+            return tf.constant(True)
+
+        if apply_if is None:
+            apply()
+        else:
+            tf.cond(apply_if, apply, lambda: tf.constant(False))
         return NestedMap(grad_norm=grad_norm, learning_rate=lr)

@@ -4,6 +4,8 @@ Library code: tools/trainer.py parses the flags and calls `Trainer`.
 """
 
 import os
+import signal
+import threading
 import time
 
 import tensorflow as tf
@@ -12,6 +14,31 @@ from absl import logging
 from tf_gpipe import fprop_context, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer, partition
 from tf_gpipe.nested_map import NestedMap
+
+NONFINITE_POLICIES = ('stop', 'skip')
+
+
+class _StopSignals:
+    """Within the block, SIGTERM and SIGINT only set `.signal` (main thread only)."""
+
+    def __init__(self):
+        self.signal = None
+        self._previous = {}
+
+    def _Handle(self, signum, frame):
+        del frame
+        self.signal = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._Handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def ModelParams(task_p, train_input_p, test_input_p):
@@ -47,11 +74,24 @@ class Trainer:
         self.variables = list(self.task.trainable_variables)
         self.learner.Build(self.variables)
         self.regularized = self.task.RegularizedVariables()
+        if p.task.train.nonfinite_policy not in NONFINITE_POLICIES:
+            raise ValueError(
+                f'task.train.nonfinite_policy must be one of {NONFINITE_POLICIES}, got '
+                f'{p.task.train.nonfinite_policy!r}.'
+            )
         self.global_step = tf.Variable(0, dtype=tf.int64, trainable=False, name='global_step')
-        # An input whose position is state (a tf.data iterator) is checkpointed with the model.
+        self.nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name='nonfinite')
+        # Everything a resumed run needs to continue exactly: weights and batch-norm averages
+        # (task), optimizer slots and iterations, the step (which also keys the synthetic
+        # inputs and every dropout mask), and an input whose position is state (a tf.data
+        # iterator).
         items = getattr(self.train_input, 'CheckpointItems', dict)()
         self.checkpoint = tf.train.Checkpoint(
-            task=self.task, optimizer=self.learner.optimizer, global_step=self.global_step, **items
+            task=self.task,
+            optimizer=self.learner.optimizer,
+            global_step=self.global_step,
+            nonfinite_steps=self.nonfinite_steps,
+            **items,
         )
         self.manager = tf.train.CheckpointManager(
             self.checkpoint,
@@ -68,10 +108,19 @@ class Trainer:
         with fprop_context.scope(step=step, training=True), tf.GradientTape() as tape:
             out = self.task.FPropTower(batch)
         grads = tape.gradient(out.loss, self.variables)
-        stats = self.learner.Apply(grads, self.variables, self.regularized)
+        # A NaN/Inf anywhere in a gradient makes the global norm non-finite.
+        finite = tf.math.is_finite(out.loss) & tf.math.is_finite(tf.linalg.global_norm(grads))
+        stats = self.learner.Apply(grads, self.variables, self.regularized, apply_if=finite)
         self.task.PostTrainingStepUpdate()
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         self.global_step.assign_add(1)
-        return NestedMap(metrics=out.metrics, num_examples=out.num_examples, **stats)
+        return NestedMap(
+            metrics=out.metrics,
+            num_examples=out.num_examples,
+            finite=finite,
+            loss=out.loss,
+            **stats,
+        )
 
     def _EvalStep(self, index):
         batch = self.test_input.GetBatch(index)
@@ -79,68 +128,122 @@ class Trainer:
             return self.task.FPropTower(batch).metrics
 
     def Restore(self):
-        """Restores the latest checkpoint in logdir, if any; returns its path or None."""
+        """Restores the newest readable checkpoint in logdir, if any; returns its path or None.
+
+        A checkpoint that cannot be read (a truncated or corrupt file) is reported and the next
+        older one is tried; one of another model (its variables do not match) is an error.
+        """
         self.Build()
-        path = self.manager.latest_checkpoint
-        if path:
+        paths = list(reversed(self.manager.checkpoints))
+        for i, path in enumerate(paths):
             try:
                 self.checkpoint.restore(path).assert_existing_objects_matched()
-            except (tf.errors.OpError, AssertionError, ValueError) as e:
+            except (AssertionError, ValueError) as e:
                 raise RuntimeError(
-                    f'Cannot restore {path}: {e}. Is it a checkpoint of another model? Use '
-                    'another --logdir, or move its checkpoints/ away.'
+                    f'Cannot restore {path}: it does not match this model ({e}). Is it a '
+                    'checkpoint of another model? Use another --logdir, or move its '
+                    'checkpoints/ away.'
                 ) from e
+            except (tf.errors.OpError, OSError, IndexError, EOFError) as e:
+                older = paths[i + 1] if i + 1 < len(paths) else None
+                logging.warning(
+                    'Checkpoint %s is unreadable (%s: %s); %s',
+                    path,
+                    type(e).__name__,
+                    str(e).splitlines()[0][:200],
+                    f'trying the older {older}.' if older else 'no older checkpoint is left.',
+                )
+                continue
             logging.info('Restored %s (step %d).', path, int(self.global_step))
-        return path
+            return path
+        if paths:
+            raise RuntimeError(
+                f'No checkpoint in {self.manager.directory} can be read ({len(paths)} tried). '
+                'Move the directory away to start afresh.'
+            )
+        return None
 
     # ---- modes -------------------------------------------------------------------------------
 
     def Train(self, eval_too=False):
-        """Trains up to task.train.max_steps; returns the last metrics (floats)."""
+        """Trains up to task.train.max_steps; returns the last metrics (floats).
+
+        SIGTERM or SIGINT end the run after the current step with a checkpoint (the run can be
+        resumed with the same command).
+        """
         self.Restore()
         tp = self.params.task.train
         writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'train'))
         step = int(self.global_step)
         last, start, start_step, first = {}, time.time(), step, step + 1
         logging.info('Training from step %d to %d.', step, tp.max_steps)
-        while step < tp.max_steps:
-            out = self._train_step()
-            step = int(self.global_step)
-            if step % tp.log_interval_steps == 0 or step in (first, tp.max_steps):
-                elapsed = max(time.time() - start, 1e-9)
-                steps_per_sec = (step - start_step) / elapsed
-                examples_per_sec = steps_per_sec * int(out.num_examples)
-                last = {k: float(v) for k, v in out.metrics.items()}
-                last.update(
-                    grad_norm=float(out.grad_norm),
-                    learning_rate=float(out.learning_rate),
-                    steps_per_sec=steps_per_sec,
-                    examples_per_sec=examples_per_sec,
-                )
-                with writer.as_default(step=step):
-                    for name, value in last.items():
-                        tf.summary.scalar(name, value)
-                logging.info(
-                    'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s',
-                    step,
-                    last['loss'],
-                    '  '.join(
-                        f'{k} {v:.4f}' for k, v in sorted(out.metrics.items()) if k != 'loss'
-                    ),
-                    steps_per_sec,
-                    examples_per_sec,
-                )
-                start, start_step = time.time(), step
-            if step % tp.save_interval_steps == 0:
+        with _StopSignals() as stop:
+            while step < tp.max_steps and not stop.signal:
+                out = self._train_step()
+                step = int(self.global_step)
+                if not bool(out.finite):
+                    self._NonFinite(step, out)
+                if step % tp.log_interval_steps == 0 or step in (first, tp.max_steps):
+                    elapsed = max(time.time() - start, 1e-9)
+                    steps_per_sec = (step - start_step) / elapsed
+                    examples_per_sec = steps_per_sec * int(out.num_examples)
+                    last = {k: float(v) for k, v in out.metrics.items()}
+                    last.update(
+                        grad_norm=float(out.grad_norm),
+                        learning_rate=float(out.learning_rate),
+                        steps_per_sec=steps_per_sec,
+                        examples_per_sec=examples_per_sec,
+                        nonfinite_steps=float(self.nonfinite_steps),
+                    )
+                    with writer.as_default(step=step):
+                        for name, value in last.items():
+                            tf.summary.scalar(name, value)
+                    logging.info(
+                        'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s',
+                        step,
+                        last['loss'],
+                        '  '.join(
+                            f'{k} {v:.4f}' for k, v in sorted(out.metrics.items()) if k != 'loss'
+                        ),
+                        steps_per_sec,
+                        examples_per_sec,
+                    )
+                    start, start_step = time.time(), step
+                if step % tp.save_interval_steps == 0:
+                    self.manager.save(checkpoint_number=step)
+                if eval_too and step % tp.eval_interval_steps == 0 and not stop.signal:
+                    self.Evaluate()
+            latest = self.manager.latest_checkpoint
+            if latest is None or not latest.endswith(f'-{step}'):
                 self.manager.save(checkpoint_number=step)
-            if eval_too and step % tp.eval_interval_steps == 0:
-                self.Evaluate()
-        if self.manager.latest_checkpoint is None or not self.manager.latest_checkpoint.endswith(
-            f'-{step}'
-        ):
-            self.manager.save(checkpoint_number=step)
+            if stop.signal:
+                logging.info(
+                    'Received %s at step %d: saved %s; exiting. Run the same command to resume.',
+                    signal.Signals(stop.signal).name,
+                    step,
+                    self.manager.latest_checkpoint,
+                )
         writer.flush()
         return last
+
+    def _NonFinite(self, step, out):
+        """A step whose loss or gradient was NaN/Inf (and so changed nothing)."""
+        if self.params.task.train.nonfinite_policy == 'skip':
+            logging.warning(
+                'Step %d: loss %s, gradient norm %s; the step was skipped (%d so far).',
+                step,
+                float(out.loss),
+                float(out.grad_norm),
+                int(self.nonfinite_steps),
+            )
+            return
+        raise FloatingPointError(
+            f'Training diverged at step {step}: loss {float(out.loss)}, gradient norm '
+            f'{float(out.grad_norm)}. Nothing of that step was applied or saved; the last '
+            f'checkpoint ({self.manager.latest_checkpoint}) is the last good state. Lower the '
+            'learning rate, clip gradients (task.learner.clip_gradient_norm), or set '
+            'task.train.nonfinite_policy=skip to skip such steps.'
+        )
 
     def Evaluate(self):
         """Metrics averaged over task.train.eval_steps test batches; written to logdir/eval."""

@@ -1,0 +1,170 @@
+"""Reliability: exact resume after kill -9, graceful stop, divergence, bad checkpoints and input."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gpipe import hyperparams, model_registry
+from tf_gpipe.trainer import trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = 'lm.synthetic.TransformerLmTiny'
+model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+
+
+def _params(overrides='', key=MODEL):
+    model = model_registry.GetClass(key)()
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    hyperparams.apply_overrides(p, 'task.train.log_interval_steps=1; ' + overrides)
+    return p
+
+
+def _env():
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+
+
+def test_fault_drill_kill_9_resumes_exactly(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, 'tools', 'fault_drill.py'),
+            '--kills=2',
+            '--max_steps=16',
+            '--save_interval_steps=4',
+            '--seed=3',
+            f'--workdir={tmp_path}',
+            '--json',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert r['kills'] == 2 and r['runs'] == 4
+    assert r['checkpoints_lost'] == 0
+    assert r['max_weight_deviation'] <= 1e-6
+    # At most the steps since the last checkpoint are redone.
+    assert r['steps_redone'] == sum(k['kill_at'] - k['last_checkpoint'] for k in r['kill_log'])
+    assert all(k['kill_at'] - k['last_checkpoint'] <= 4 for k in r['kill_log'])
+
+
+@pytest.mark.parametrize('sig', [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_and_exits_0(tmp_path, sig):
+    logdir = str(tmp_path / 'run')
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(ROOT, 'tools', 'trainer.py'),
+            f'--model={MODEL}',
+            f'--logdir={logdir}',
+            '--num_logical_cpus=4',
+            '--max_steps=100000',
+            '--params_override=task.train.log_interval_steps=1',
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if 'step      3' in line:
+            proc.send_signal(sig)
+            break
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 0, ''.join(lines) + rest
+    message = [line for line in rest.splitlines() if f'Received {sig.name}' in line]
+    assert message, rest
+    step = int(message[0].split(' at step ')[1].split(':')[0])
+    assert step >= 3 and f'ckpt-{step}' in message[0] and 'Run the same command' in message[0]
+    assert os.path.exists(f'{logdir}/checkpoints/ckpt-{step}.index')
+
+
+def _finite_checkpoint(path):
+    reader = tf.train.load_checkpoint(path)
+    for name in reader.get_variable_to_shape_map():
+        value = reader.get_tensor(name)
+        if isinstance(value, np.ndarray) and value.dtype.kind == 'f':
+            assert np.isfinite(value).all(), name
+
+
+def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
+    p = _params(
+        'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
+        'task.learner.clip_gradient_norm=0.0; task.train.save_interval_steps=1; '
+        'task.train.max_steps=50'
+    )
+    t = trainer.Trainer(p, str(tmp_path))
+    with pytest.raises(FloatingPointError, match=r'Training diverged at step (\d+)') as info:
+        t.Train()
+    message = str(info.value)
+    step = int(message.split('at step ')[1].split(':')[0])
+    assert 'nonfinite_policy=skip' in message and 'Lower the learning rate' in message
+    saved = sorted(int(p.rsplit('-', 1)[1]) for p in t.manager.checkpoints)
+    assert saved and max(saved) == step - 1  # the bad step was never saved
+    for path in t.manager.checkpoints:
+        _finite_checkpoint(path)
+
+
+def test_divergent_steps_can_be_skipped_and_counted(tmp_path):
+    p = _params(
+        'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
+        'task.learner.clip_gradient_norm=0.0; task.train.nonfinite_policy=skip; '
+        'task.train.max_steps=6'
+    )
+    t = trainer.Trainer(p, str(tmp_path))
+    last = t.Train()
+    assert last['nonfinite_steps'] >= 1 and int(t.global_step) == 6
+    for v in t.task.trainable_variables:
+        assert np.isfinite(v.numpy()).all(), v.name  # a skipped step changes nothing
+    _finite_checkpoint(t.manager.latest_checkpoint)
+    with pytest.raises(ValueError, match="nonfinite_policy must be one of \\('stop', 'skip'\\)"):
+        trainer.Trainer(_params('task.train.nonfinite_policy=ignore'), str(tmp_path / 'x')).Build()
+
+
+def test_unreadable_newest_checkpoint_falls_back_and_foreign_is_refused(tmp_path, caplog):
+    logdir = str(tmp_path)
+    p = _params('task.train.save_interval_steps=3; task.train.max_steps=6')
+    trainer.Trainer(p, logdir).Train()
+    ckpts = f'{logdir}/checkpoints'
+    # A crash in the middle of writing ckpt-9: data written, the state file not yet updated.
+    with open(f'{ckpts}/ckpt-9.data-00000-of-00001', 'wb') as f:
+        f.write(b'partial')
+    # And the newest listed checkpoint corrupted on disk.
+    (data,) = glob.glob(f'{ckpts}/ckpt-6.data-*')
+    with open(data, 'r+b') as f:
+        f.truncate(100)
+    resumed = trainer.Trainer(_params('task.train.max_steps=8'), logdir)
+    with caplog.at_level('WARNING'):
+        assert resumed.Restore().endswith('ckpt-3')
+    assert int(resumed.global_step) == 3
+    assert any('ckpt-6 is unreadable' in r.getMessage() for r in caplog.records)
+    resumed.Train()
+    assert int(resumed.global_step) == 8
+    foreign = trainer.Trainer(_params(key='mt.synthetic.TransformerNmtTiny'), logdir)
+    with pytest.raises(RuntimeError, match='does not match this model'):
+        foreign.Restore()
+
+
+def test_bad_settings_fail_clearly(tmp_path):
+    not_a_dir = tmp_path / 'file'
+    not_a_dir.write_text('x')
+    with pytest.raises(RuntimeError, match='Cannot write to logdir .* Pass a --logdir'):
+        trainer.Trainer(_params(), str(not_a_dir / 'logdir')).Build()
+    with pytest.raises(ValueError, match='cannot be split into 7 equal micro-batches'):
+        t = trainer.Trainer(_params('task.pipeline.num_micro_batches=7'), str(tmp_path / 'm'))
+        t.Build()
+        t._train_step()
+    with pytest.raises(ValueError, match='larger than the number of layers'):
+        trainer.Trainer(_params('task.pipeline.num_partitions=100'), str(tmp_path / 'k')).Build()
+    with pytest.raises(ValueError, match=r'cluster.logical_cpus\(8\)'):
+        trainer.Trainer(_params('task.pipeline.num_partitions=8'), str(tmp_path / 'd')).Build()
