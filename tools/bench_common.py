@@ -127,7 +127,9 @@ def largest(trial, max_knob, start=1, log=print):
             fail = knob
             break
         best, best_result = knob, result
-        knob *= 2
+        if knob >= max_knob:
+            break
+        knob = min(2 * knob, max_knob)
     if fail is None:
         return best, best_result
     lo, hi = best, fail  # lo ok (or 0), hi fails

@@ -34,6 +34,7 @@ SETTINGS = flags.DEFINE_list('settings', ['naive', 'pipeline-1', 'pipeline-2'], 
 MICRO = flags.DEFINE_integer('num_micro_batches', 8, 'M of the pipelined settings.')
 BATCH = flags.DEFINE_integer('batch_size', 32, 'Examples per step.')
 MAX_KNOB = flags.DEFINE_integer('max_knob', 256, 'Stop growing at this knob.')
+START_KNOB = flags.DEFINE_integer('start_knob', 1, 'Where the search of the first setting starts.')
 TIMEOUT = flags.DEFINE_integer(
     'trial_timeout', 900, 'Seconds per trial before it counts as failed.'
 )
@@ -158,7 +159,7 @@ def main(_):
 
     knob_name = 'layers' if FAMILY.value == 'transformer' else 'cells/stack'
     config = FAMILIES[FAMILY.value]
-    rows, start = [], 1
+    rows, start = [], START_KNOB.value
     for setting in SETTINGS.value:
         log = (lambda s: print(s, file=sys.stderr)) if JSON.value else print
         log(f'{setting}:')

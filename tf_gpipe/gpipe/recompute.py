@@ -15,6 +15,7 @@ Both are separate, non-inlined TF function calls placed on the cell's device:
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
+from tf_gpipe.gpipe import trace
 
 # Keeps Grappler's function optimizer from inlining the calls (inlining would let common
 # subexpression elimination fold a recompute into its forward, and the executor run it early).
@@ -23,6 +24,10 @@ _NOINLINE = {'_noinline': True}
 
 def _is_float(x):
     return isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating
+
+
+def _timed():
+    return trace.recording() and not tf.executing_eagerly()
 
 
 def as_tuple(outputs):
@@ -58,25 +63,30 @@ class CellRunner:
                 f'Cell {self.index} ({self.cell.layer_name}) cannot take its input {structure}: {e}'
             ) from e
 
-    def _Forward(self, inputs, step, micro_batch, training, recompute):
+    def _Forward(self, inputs, step, micro_batch, training, recompute, timed=False):
         with (
             tf.device(self.device),
             fprop_context.scope(
                 training=training, step=step, seed_offset=micro_batch, recompute=recompute
             ),
         ):
-            return self._Run(inputs)
+            # Timed (gpipe.trace): the call's first op stamps when the call really began.
+            start = tf.timestamp() if timed else None
+            outputs = self._Run(inputs)
+            return (outputs, start) if timed else outputs
 
-    def _Backward(self, inputs, output_grads, step, micro_batch):
+    def _Backward(self, inputs, output_grads, step, micro_batch, timed=False):
         with (
             tf.device(self.device),
             fprop_context.scope(training=True, step=step, seed_offset=micro_batch, recompute=True),
         ):
+            start = tf.timestamp() if timed else None
             with tf.GradientTape() as tape:
                 sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
                 tape.watch(sources)
                 outputs = self._Run(inputs)
-            return self._Gradients(tape, sources, outputs, output_grads)
+            grads = self._Gradients(tape, sources, outputs, output_grads)
+            return (grads, start) if timed else grads
 
     def _Gradients(self, tape, sources, outputs, output_grads):
         targets, grads = [], []
@@ -95,7 +105,7 @@ class CellRunner:
 
     def Forward(self, inputs, step, micro_batch, training=True, recompute=False):
         """The cell's outputs (a tuple) for one micro-batch; no activations are kept."""
-        return self._forward(inputs, step, micro_batch, training, recompute)
+        return self._Timed(self._forward(inputs, step, micro_batch, training, recompute, _timed()))
 
     def ForwardKeep(self, inputs, step, micro_batch):
         """Forward whose activations are kept on a tape for `BackwardKept` (no recompute)."""
@@ -103,8 +113,16 @@ class CellRunner:
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
-            outputs = self._forward(inputs, step, micro_batch, True, False)
+            outputs = self._Timed(self._forward(inputs, step, micro_batch, True, False, _timed()))
         return outputs, (tape, sources, outputs)
+
+    def _Timed(self, result):
+        """Unpacks (result, start stamp) of a timed call, handing the stamp to gpipe.trace."""
+        if not _timed():
+            return result
+        result, start = result
+        trace.note_start(start)
+        return result
 
     def BackwardKept(self, kept, output_grads):
         """(d_float_inputs, d_variables) from a ForwardKeep's tape."""
@@ -114,4 +132,4 @@ class CellRunner:
 
     def Backward(self, inputs, output_grads, step, micro_batch):
         """(d_float_inputs, d_variables) by recomputing the forward from the boundary input."""
-        return self._backward(inputs, output_grads, step, micro_batch)
+        return self._Timed(self._backward(inputs, output_grads, step, micro_batch, _timed()))
