@@ -46,7 +46,7 @@ TRIAL = flags.DEFINE_string('trial', None, 'Internal: "<setting>:<knob>".')
 def _trial(setting, knob):
     """Runs two training steps of the model at `knob`; returns a result dict."""
     import tensorflow as tf
-    from bench_common import family_layers
+    from bench_common import family_layers, train_step
 
     from tf_gpipe import gpipe, layers, local_cluster, memory, placement
 
@@ -86,16 +86,7 @@ def _trial(setting, knob):
         with tf.device(device):
             x = tf.random.stateless_normal((BATCH.value,) + shape, [1, 2])
 
-        @tf.function
-        def step():
-            with tf.GradientTape() as tape:
-                out = model.FProp(x)
-                out = out[0] if isinstance(out, tuple) else out
-                loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
-            grads = tape.gradient(loss, variables)
-            optimizer.apply_gradients(zip(grads, variables))
-            return loss
-
+        step = train_step(model, x, optimizer)
         params = sum(int(tf.size(v)) for v in variables)
         start = time.time()
         step().numpy()  # trace; the optimizer's slots exist from here on

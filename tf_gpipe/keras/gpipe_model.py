@@ -32,20 +32,14 @@ except ImportError:  # pragma: no cover - other Keras layouts
 _COST_BATCH = {'time': 32}
 
 
-def GPipe(
-    sequential,
-    *,
-    num_partitions=None,
-    balance=None,
-    num_micro_batches=1,
-    recompute='except_last',
-    devices=None,
-    partition_by='flops',
-    jit_compile=False,
-    input_shape=None,
-    name=None,
-):
-    """A keras.Model running `sequential` as a K-cell GPipe pipeline with M micro-batches.
+def GPipe(sequential, **options):
+    """A keras.Model running `sequential` as a K-cell GPipe pipeline; options: see GPipeModel."""
+    return GPipeModel(sequential, **options)
+
+
+@keras.saving.register_keras_serializable(package='tf_gpipe')
+class GPipeModel(keras.Model):
+    """A keras.Sequential's layers as a K-cell GPipe pipeline with M micro-batches.
 
     Args:
       sequential: a keras.Sequential (nested Sequentials are flattened). Built (it starts with
@@ -61,23 +55,6 @@ def GPipe(
       jit_compile: compile each cell's forward and backward with XLA.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
-    return GPipeModel(
-        sequential,
-        num_partitions=num_partitions,
-        balance=balance,
-        num_micro_batches=num_micro_batches,
-        recompute=recompute,
-        devices=devices,
-        partition_by=partition_by,
-        jit_compile=jit_compile,
-        input_shape=input_shape,
-        name=name,
-    )
-
-
-@keras.saving.register_keras_serializable(package='tf_gpipe')
-class GPipeModel(keras.Model):
-    """A keras.Sequential's layers as a GPipe pipeline; see `GPipe`."""
 
     def __init__(
         self,
