@@ -83,11 +83,12 @@ class Learner:
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
 
-    def Apply(self, grads, variables, regularized=(), apply_if=None):
-        """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate).
+    def Apply(self, grads, variables, regularized=(), loss=None):
+        """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate[, finite]).
 
-        With `apply_if` (a scalar bool tensor) the update runs only where it is true, so a
-        step with a non-finite loss or gradient changes neither weights nor optimizer state.
+        With the step's `loss`, the update runs only if the loss and the gradient norm are
+        finite (a NaN/Inf in any gradient makes the norm non-finite), so a diverged step
+        changes neither weights nor optimizer state; `finite` says whether it ran.
         """
         p = self.params
         grads = [
@@ -104,13 +105,15 @@ class Learner:
         if p.clip_gradient_norm:
             grads, _ = tf.clip_by_global_norm(grads, p.clip_gradient_norm, use_norm=grad_norm)
         lr = self.schedule(self.optimizer.iterations)
+        stats = NestedMap(grad_norm=grad_norm, learning_rate=lr)
 
         def apply():
             self.optimizer.apply_gradients(zip(grads, variables))
             return tf.constant(True)
 
-        if apply_if is None:
+        if loss is None:
             apply()
         else:
-            tf.cond(apply_if, apply, lambda: tf.constant(False))
-        return NestedMap(grad_norm=grad_norm, learning_rate=lr)
+            stats.finite = tf.math.is_finite(loss) & tf.math.is_finite(grad_norm)
+            tf.cond(stats.finite, apply, lambda: tf.constant(False))
+        return stats

@@ -108,19 +108,12 @@ class Trainer:
         with fprop_context.scope(step=step, training=True), tf.GradientTape() as tape:
             out = self.task.FPropTower(batch)
         grads = tape.gradient(out.loss, self.variables)
-        # A NaN/Inf anywhere in a gradient makes the global norm non-finite.
-        finite = tf.math.is_finite(out.loss) & tf.math.is_finite(tf.linalg.global_norm(grads))
-        stats = self.learner.Apply(grads, self.variables, self.regularized, apply_if=finite)
+        # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
+        stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
         self.task.PostTrainingStepUpdate()
-        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(stats.finite), tf.int64))
         self.global_step.assign_add(1)
-        return NestedMap(
-            metrics=out.metrics,
-            num_examples=out.num_examples,
-            finite=finite,
-            loss=out.loss,
-            **stats,
-        )
+        return NestedMap(metrics=out.metrics, num_examples=out.num_examples, loss=out.loss, **stats)
 
     def _EvalStep(self, index):
         batch = self.test_input.GetBatch(index)
