@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
+from tf_gpipe.layers import normalization
 
 # A call's counter is (step * _MAX_MICRO_BATCHES + micro_batch) * _DRAWS_PER_CALL: room for
 # that many draws per generator per call before two calls could share a seed.
@@ -72,8 +73,7 @@ class BatchNormStats:
         self._keras_call = layer.call
         shape = tuple(layer.moving_mean.shape)
         with tf.init_scope(), tf.device(layer.moving_mean.value.device):
-            # Sums of (x - moving_mean) and its square: shifting by the moving mean, which is
-            # constant within a step, keeps E[x^2] - E[x]^2 accurate in float32.
+            # normalization.accumulate_step's (count, sum, sum of squares) of x - moving_mean.
             self._count = tf.Variable(0.0, trainable=False, name=f'{layer.name}_acc_count')
             self._sum = tf.Variable(tf.zeros(shape), trainable=False, name=f'{layer.name}_acc_sum')
             self._sum_sq = tf.Variable(
@@ -108,31 +108,24 @@ class BatchNormStats:
 
     def _Accumulate(self, x):
         layer = self.layer
-        axes = list(layer._reduction_axes)
         shape = [1] * x.shape.rank
         shape[layer.axis] = x.shape[layer.axis]
         moving_mean = tf.reshape(tf.cast(layer.moving_mean, x.dtype), shape)
-        shifted = x - moving_mean
-        self._count.assign_add(tf.cast(tf.size(x) // tf.size(layer.moving_mean), tf.float32))
-        self._sum.assign_add(tf.reshape(tf.reduce_sum(shifted, axes), self._sum.shape))
-        self._sum_sq.assign_add(
-            tf.reshape(tf.reduce_sum(tf.square(shifted), axes), self._sum.shape)
+        normalization.accumulate_step(
+            self.accumulators, x, moving_mean, list(layer._reduction_axes)
         )
 
     def apply(self):
         """Moves the averages with the step's pooled statistics (if any), then clears them."""
         layer = self.layer
-        count = tf.maximum(self._count, 1.0)
-        shifted_mean = self._sum / count
-        variance = tf.maximum(self._sum_sq / count - tf.square(shifted_mean), 0.0)
-        mean = tf.cast(layer.moving_mean, tf.float32) + shifted_mean
-        # Nothing seen, or a diverged step's statistics: keep the averages (and clear).
-        seen = (self._count > 0) & tf.math.is_finite(mean) & tf.math.is_finite(variance)
-        momentum = layer.momentum
-        for var, value in ((layer.moving_mean, mean), (layer.moving_variance, variance)):
-            old = tf.cast(var, tf.float32)
-            new = tf.where(seen, old * momentum + value * (1.0 - momentum), old)
-            var.assign(tf.cast(new, var.dtype))
+        mean, variance = normalization.moved_averages(
+            tf.cast(layer.moving_mean, tf.float32),
+            tf.cast(layer.moving_variance, tf.float32),
+            self.accumulators,
+            layer.momentum,
+        )
+        layer.moving_mean.assign(tf.cast(mean, layer.moving_mean.dtype))
+        layer.moving_variance.assign(tf.cast(variance, layer.moving_variance.dtype))
         for acc in self.accumulators:
             acc.assign(tf.zeros_like(acc))
 

@@ -50,38 +50,29 @@ class BatchNormLayer(base_layer.BaseLayer):
         if ctx.training:
             mean, variance = tf.nn.moments(x, axes)
             if not ctx.recompute:
-                shifted = x - v.moving_mean
-                count = tf.cast(tf.size(x) // p.dim, tf.float32)
-                v.acc_count.assign_add(count)
-                v.acc_sum.assign_add(tf.reduce_sum(shifted, axes))
-                v.acc_sum_sq.assign_add(tf.reduce_sum(tf.square(shifted), axes))
+                accumulate_step(self._Accumulators(), x, v.moving_mean, axes)
         else:
             mean, variance = v.moving_mean, v.moving_variance
         y = tf.nn.batch_normalization(x, mean, variance, v.beta, v.gamma, p.epsilon)
         return tf.cast(y, self.fprop_dtype)
 
+    def _Accumulators(self):
+        v = self.vars
+        return v.acc_count, v.acc_sum, v.acc_sum_sq
+
     def StepStatistics(self):
         """(mean, variance) of everything accumulated since the last update."""
-        v = self.vars
-        count = tf.maximum(v.acc_count, 1.0)
-        shifted_mean = v.acc_sum / count
-        variance = tf.maximum(v.acc_sum_sq / count - tf.square(shifted_mean), 0.0)
-        return v.moving_mean + shifted_mean, variance
+        return step_statistics(self.vars.moving_mean, self._Accumulators())
 
     def PostTrainingStepUpdate(self):
         v = self.vars
-        mean, variance = self.StepStatistics()
-        # Nothing seen, or a diverged step's statistics: keep the averages (and clear).
-        seen = (v.acc_count > 0) & tf.math.is_finite(mean) & tf.math.is_finite(variance)
-        decay = self.params.decay
-        v.moving_mean.assign(
-            tf.where(seen, decay * v.moving_mean + (1 - decay) * mean, v.moving_mean)
+        mean, variance = moved_averages(
+            v.moving_mean, v.moving_variance, self._Accumulators(), self.params.decay
         )
-        v.moving_variance.assign(
-            tf.where(seen, decay * v.moving_variance + (1 - decay) * variance, v.moving_variance)
-        )
-        for name in ('acc_count', 'acc_sum', 'acc_sum_sq'):
-            v[name].assign(tf.zeros_like(v[name]))
+        v.moving_mean.assign(mean)
+        v.moving_variance.assign(variance)
+        for acc in self._Accumulators():
+            acc.assign(tf.zeros_like(acc))
         super().PostTrainingStepUpdate()
 
     @classmethod
@@ -115,3 +106,41 @@ class LayerNorm(base_layer.BaseLayer):
     @classmethod
     def FPropMeta(cls, p, inputs):
         return base_layer.elementwise_meta(p, inputs, 8, 2 * p.input_dim)
+
+
+# ---- per-step batch statistics, shared with Keras' BatchNormalization (keras_state) ---------
+
+
+def accumulate_step(accumulators, x, moving_mean, axes):
+    """Adds x to (count, sum, sum of squares) of x - moving_mean over `axes`.
+
+    Shifting by the moving mean, constant within a step, keeps E[x^2] - E[x]^2 accurate in
+    float32. `moving_mean` broadcasts against x; the sums have the accumulators' shape.
+    """
+    count, shifted_sum, shifted_sum_sq = accumulators
+    shifted = x - moving_mean
+    count.assign_add(tf.cast(tf.size(x) // tf.size(moving_mean), tf.float32))
+    shifted_sum.assign_add(tf.reshape(tf.reduce_sum(shifted, axes), shifted_sum.shape))
+    shifted_sum_sq.assign_add(
+        tf.reshape(tf.reduce_sum(tf.square(shifted), axes), shifted_sum.shape)
+    )
+
+
+def step_statistics(moving_mean, accumulators):
+    """(mean, variance) of everything `accumulate_step` added since the accumulators were 0."""
+    count, shifted_sum, shifted_sum_sq = accumulators
+    count = tf.maximum(count, 1.0)
+    shifted_mean = shifted_sum / count
+    variance = tf.maximum(shifted_sum_sq / count - tf.square(shifted_mean), 0.0)
+    return moving_mean + shifted_mean, variance
+
+
+def moved_averages(moving_mean, moving_variance, accumulators, decay):
+    """The averages moved once with the step's statistics; unchanged when the step saw
+    nothing, or diverged (non-finite statistics)."""
+    mean, variance = step_statistics(moving_mean, accumulators)
+    seen = (accumulators[0] > 0) & tf.math.is_finite(mean) & tf.math.is_finite(variance)
+    return (
+        tf.where(seen, decay * moving_mean + (1 - decay) * mean, moving_mean),
+        tf.where(seen, decay * moving_variance + (1 - decay) * variance, moving_variance),
+    )
