@@ -376,7 +376,9 @@ def test_bad_input_errors():
 
     with pytest.raises(TypeError, match='subclassed model'):
         GPipe(Custom())
-    with pytest.raises(ValueError, match='num_partitions=7 is more than the 6 layers'):
+    with pytest.raises(
+        ValueError, match=r'num_partitions=7 is larger than the number of layers \(6\)'
+    ):
         GPipe(_mlp(), num_partitions=7)
     with pytest.raises(ValueError, match='2 cells need 2 devices'):
         GPipe(_mlp(), num_partitions=2, devices=['/device:CPU:0'])

@@ -81,16 +81,22 @@ def measure_times(sub, input_shape, input_dtype=tf.float32, repeats=3):
     return costs
 
 
+def check_num_partitions(num_partitions, num_layers):
+    """Raises unless 1 <= num_partitions <= num_layers (a cell needs at least one layer)."""
+    if not isinstance(num_partitions, int) or num_partitions < 1:
+        raise ValueError(f'num_partitions must be a positive int, got {num_partitions!r}.')
+    if num_partitions > num_layers:
+        raise ValueError(
+            f'num_partitions={num_partitions} is larger than the number of layers '
+            f'({num_layers}): every cell needs at least one layer. Use num_partitions <= '
+            f'{num_layers}.'
+        )
+
+
 def balance(costs, num_partitions):
     """Ending indices of K contiguous blocks minimising the largest block cost (exact)."""
     n = len(costs)
-    if not isinstance(num_partitions, int) or num_partitions < 1:
-        raise ValueError(f'num_partitions must be a positive int, got {num_partitions!r}.')
-    if num_partitions > n:
-        raise ValueError(
-            f'num_partitions={num_partitions} is larger than the number of layers ({n}): every '
-            f'cell needs at least one layer. Use num_partitions <= {n}.'
-        )
+    check_num_partitions(num_partitions, n)
     prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)])
     inf = float('inf')
     # best[k][i]: the smallest possible max-cost of splitting layers [0, i) into k blocks.

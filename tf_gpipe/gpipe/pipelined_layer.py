@@ -130,6 +130,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         if p.splits is not None:
             splits = partition.check_splits(list(p.splits), len(sub))
         else:
+            # Before costing: partition_by='time' would run every layer first.
+            partition.check_num_partitions(p.num_partitions, len(sub))
             costs = partition.layer_costs(sub, p.partition_by, p.input_shape, p.input_dtype)
             splits = partition.balance(costs, p.num_partitions)
         cells = [

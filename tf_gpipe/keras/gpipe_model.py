@@ -81,7 +81,7 @@ class GPipeModel(keras.Model):
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
         batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
         in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
-        splits = _splits(originals, num_partitions, balance, devices)
+        num_partitions, splits = _splits(originals, num_partitions, balance, devices)
         super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
         cost_batch = _COST_BATCH.get(partition_by, 1)
         sub = [
@@ -97,8 +97,8 @@ class GPipeModel(keras.Model):
         pipe_p = PipelinedLayer.Params().Set(
             name='gpipe',
             sub=sub,
-            num_partitions=splits if isinstance(splits, int) else len(splits),
-            splits=None if isinstance(splits, int) else splits,
+            num_partitions=num_partitions,
+            splits=splits,
             partition_by=partition_by,
             input_shape=(cost_batch,) + tuple(batch_shape[1:]),
             input_dtype=tf.as_dtype(dtype),
@@ -351,7 +351,7 @@ def _layer_shapes(layers, batch_shape, dtype):
 
 
 def _splits(layers, num_partitions, balance, devices):
-    """Explicit ending indices (a list) from balance, or K (an int) to balance automatically."""
+    """(K, ending indices from balance), or (K, None) for the partitioner to balance."""
     n = len(layers)
     if balance is not None:
         if num_partitions is not None and num_partitions != len(balance):
@@ -366,7 +366,7 @@ def _splits(layers, num_partitions, balance, devices):
                 f'balance={list(balance)} covers {sum(balance)} layers; the model has {n}: '
                 f'{", ".join(layer.name for layer in layers)}.'
             )
-        return [int(x) for x in np.cumsum(balance)]
+        return len(balance), [int(x) for x in np.cumsum(balance)]
     if num_partitions is None:
         if devices is not None:
             num_partitions = len(devices)
@@ -374,14 +374,7 @@ def _splits(layers, num_partitions, balance, devices):
             from tf_gpipe import cluster
 
             num_partitions = cluster.current_mesh().num_stages
-    if not isinstance(num_partitions, int) or num_partitions < 1:
-        raise ValueError(f'num_partitions must be a positive int, got {num_partitions!r}.')
-    if num_partitions > n:
-        raise ValueError(
-            f'num_partitions={num_partitions} is more than the {n} layers of the model: every '
-            f'partition needs at least one layer. Use num_partitions <= {n}.'
-        )
-    return num_partitions
+    return num_partitions, None  # K is checked against the layers by the PipelinedLayer
 
 
 def _param_names(layers):
