@@ -44,7 +44,21 @@ def family_layers(family, knob, **overrides):
     return sub, (c['width'],)
 
 
-def build(sub, input_shape, devices, num_micro_batches=1, recompute='never', plain=False):
+def batch_input(input_shape, batch, device):
+    """A fixed random batch of `input_shape` examples, on `device` (the first stage's)."""
+    with tf.device(device):
+        return tf.random.stateless_normal((batch,) + tuple(input_shape), [1, 2])
+
+
+def build(
+    sub,
+    input_shape,
+    devices,
+    num_micro_batches=1,
+    recompute='never',
+    plain=False,
+    partition_by='flops',
+):
     """The plain layer sequence on devices[0] (plain=True) or a PipelinedLayer on devices."""
     if plain:
         with tf.device(devices[0]):
@@ -55,7 +69,7 @@ def build(sub, input_shape, devices, num_micro_batches=1, recompute='never', pla
             name=f'pipe{len(devices)}',
             sub=sub,
             num_partitions=len(devices),
-            partition_by='flops',
+            partition_by=partition_by,
             input_shape=(1,) + tuple(input_shape),
             num_micro_batches=num_micro_batches,
             recompute=recompute,

@@ -51,20 +51,13 @@ def _config(family):
     return c
 
 
-def _input(shape, batch, device):
-    import tensorflow as tf
-
-    with tf.device(device):
-        return tf.random.stateless_normal((batch,) + tuple(shape), [1, 2])
-
-
 def throughput(family, devices, micro_batches, policy, steps):
     """Rows {num_stages, num_micro_batches, seconds, examples_per_s} for K = 1..len(devices)."""
-    from bench_common import build, family_layers, median_times, train_step
+    from bench_common import batch_input, build, family_layers, median_times, train_step
 
     c = _config(family)
     sub, shape = family_layers(family, c['knob'], **c['overrides'])
-    x = _input(shape, c['batch'], devices[0])
+    x = batch_input(shape, c['batch'], devices[0])
     rows = []
     for m in micro_batches:
         ks = list(range(1, len(devices) + 1))
@@ -78,11 +71,11 @@ def throughput(family, devices, micro_batches, policy, steps):
 
 def overheads(family, device, m, steps):
     """Rows {name, seconds, vs_plain} on one worker: plain, and every policy at M=1 and M=m."""
-    from bench_common import build, family_layers, median_times, train_step
+    from bench_common import batch_input, build, family_layers, median_times, train_step
 
     c = _config(family)
     sub, shape = family_layers(family, c['knob'], **c['overrides'])
-    x = _input(shape, c['batch'], device)
+    x = batch_input(shape, c['batch'], device)
     configs = [('plain sequence', dict(plain=True))]
     for policy in ('never', 'except_last', 'always'):
         for mm in (1, m):

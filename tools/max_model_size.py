@@ -46,46 +46,32 @@ TRIAL = flags.DEFINE_string('trial', None, 'Internal: "<setting>:<knob>".')
 def _trial(setting, knob):
     """Runs two training steps of the model at `knob`; returns a result dict."""
     import tensorflow as tf
-    from bench_common import family_layers, train_step
+    from bench_common import batch_input, build, family_layers, train_step
 
-    from tf_gpipe import gpipe, layers, local_cluster, memory, placement
+    from tf_gpipe import local_cluster, memory, placement
 
     sub, shape = family_layers(FAMILY.value, knob)
-    cluster, device = None, '/device:CPU:0'
-    if setting == 'naive':
-        with tf.device(device):
-            model = layers.SequentialLayer.Params().Set(name='net', sub=sub).Instantiate()
-    else:
-        k = 1 if setting == 'pipeline-1' else 2
-        devices = [device]
-        if k == 2:
-            budget = dict(
-                TF_CPU_ALLOCATOR_USE_BFC='true',
-                TF_CPU_BFC_MEM_LIMIT_IN_MB=os.environ['TF_CPU_BFC_MEM_LIMIT_IN_MB'],
-            )
-            cluster = local_cluster.LocalCluster(2, cores=[0, 1], env=budget).start().connect()
-            devices = cluster.devices()
-            device = devices[0]
-        model = (
-            gpipe.PipelinedLayer.Params()
-            .Set(
-                name='net',
-                sub=sub,
-                num_partitions=k,
-                partition_by='params',
-                input_shape=(1,) + shape,
-                num_micro_batches=MICRO.value,
-                recompute='always',
-                devices=devices,
-            )
-            .Instantiate()
+    cluster, devices = None, ['/device:CPU:0']
+    if setting == 'pipeline-2':
+        budget = dict(
+            TF_CPU_ALLOCATOR_USE_BFC='true',
+            TF_CPU_BFC_MEM_LIMIT_IN_MB=os.environ['TF_CPU_BFC_MEM_LIMIT_IN_MB'],
         )
+        cluster = local_cluster.LocalCluster(2, cores=[0, 1], env=budget).start().connect()
+        devices = cluster.devices()
+    model = build(
+        sub,
+        shape,
+        devices,
+        MICRO.value,
+        'always',
+        plain=setting == 'naive',
+        partition_by='params',
+    )
     try:
         variables = model.trainable_variables
         optimizer = placement.build_optimizer(tf.keras.optimizers.Adam(1e-4), variables)
-        with tf.device(device):
-            x = tf.random.stateless_normal((BATCH.value,) + shape, [1, 2])
-
+        x = batch_input(shape, BATCH.value, devices[0])
         step = train_step(model, x, optimizer)
         params = sum(int(tf.size(v)) for v in variables)
         start = time.time()

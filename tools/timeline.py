@@ -33,8 +33,7 @@ JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 def measure(num_stages, num_micro_batches, recompute, layers, width, batch, steps, local):
     """(events [(phase, stage, micro_batch, start_s, end_s)], step span s) of a real step."""
-    import tensorflow as tf
-    from bench_common import build, family_layers, train_step
+    from bench_common import batch_input, build, family_layers, train_step
 
     from tf_gpipe import cluster as cluster_lib
     from tf_gpipe import local_cluster
@@ -51,8 +50,7 @@ def measure(num_stages, num_micro_batches, recompute, layers, width, batch, step
     try:
         sub, shape = family_layers('fc', layers, width=width)
         model = build(sub, shape, devices, num_micro_batches, recompute)
-        with tf.device(devices[0]):
-            x = tf.random.stateless_normal((batch,) + shape, [1, 2])
+        x = batch_input(shape, batch, devices[0])
         with trace.record() as events:
             step = train_step(model, x, trace_events=events)
             step()  # trace while recording
