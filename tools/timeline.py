@@ -119,6 +119,8 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
 def main(_):
     import bench_common
 
+    from tf_gpipe.gpipe import schedule
+
     k, m = STAGES.value, MICRO.value
     events, span = measure(
         k, m, POLICY.value, LAYERS.value, WIDTH.value, BATCH.value, STEPS.value, LOCAL.value
@@ -127,7 +129,7 @@ def main(_):
     t_f = float(np.mean([e - s for p, _, _, s, e in events if p == 'F']))
     t_b = float(np.mean([e - s for p, _, _, s, e in events if p == 'B']))
     ideal = bench_common.ideal_events(k, m, t_f, t_b)
-    expected = (k - 1) / (m + k - 1)
+    expected = schedule.bubble_fraction(k, m)
     title = (
         f'K={k}, M={m}, recompute={POLICY.value}: {LAYERS.value} FC x {WIDTH.value}, batch '
         f'{BATCH.value}. Bubble measured {measured:.3f}, (K-1)/(M+K-1) = {expected:.3f}'
