@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.placement_testing import bulk_unplaced, misplaced_updates
 from tf_gpipe.keras import GPipe, GPipeModel
 
 X = np.random.RandomState(0).randn(64, 8).astype('float32')
@@ -94,6 +95,15 @@ def test_each_partition_on_its_device_with_its_optimizer_slots():
     assert {v.value.device[-5:] for v in slots} == {d[-5:] for d in devices}
     table = pipe.partition_table()
     assert 'dense' in table and devices[3] in table
+
+
+def test_train_step_updates_each_partition_on_its_device():
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=2), 'adam')
+    x = tf.random.stateless_normal([8, 8], [1, 1])
+    y = tf.constant([0, 1, 2, 0, 1, 2, 0, 1])
+    graph = tf.function(lambda: pipe.train_step((x, y))).get_concrete_function().graph
+    assert misplaced_updates(graph) == []
+    assert bulk_unplaced(graph) == []
 
 
 @pytest.mark.parametrize('reduction', ['sum_over_batch_size', 'sum', 'mean_with_sample_weight'])

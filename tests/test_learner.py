@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.placement_testing import bulk_unplaced, misplaced_updates
 from tf_gpipe.trainer.learner import Learner
 
 
@@ -46,6 +47,21 @@ def test_clipping_and_l2():
     w, u = tf.Variable([2.0]), tf.Variable([2.0])
     l2.Apply([tf.constant([0.0]), tf.constant([0.0])], [w, u], regularized=[w])
     assert float(w[0]) == pytest.approx(1.0) and float(u[0]) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize('optimizer', ['momentum', 'adam'])
+def test_gradient_work_and_updates_run_on_the_variables_devices(optimizer):
+    learner = _learner(optimizer=optimizer, clip_gradient_norm=1.0, l2_regularizer_weight=0.1)
+    variables, grads = [], []
+    for i in (1, 3):
+        with tf.device(f'/device:CPU:{i}'):
+            variables.append(tf.Variable(tf.ones([4, 3]) * i))
+            grads.append(tf.ones([4, 3]) * 2.0)
+    learner.Build(variables)
+    step = tf.function(lambda: learner.Apply(grads, variables, regularized=variables[:1]))
+    graph = step.get_concrete_function().graph
+    assert misplaced_updates(graph) == []
+    assert bulk_unplaced(graph) == []  # only the norm's scalars meet off the devices
 
 
 def test_bad_names():

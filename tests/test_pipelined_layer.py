@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.placement_testing import bulk_unplaced
 from tf_gpipe import base_layer, fprop_context, gpipe, layers
 from tf_gpipe.nested_map import NestedMap
 
@@ -271,6 +272,30 @@ def test_cells_and_variables_live_on_their_devices():
         for v in cell.trainable_variables:
             assert v.device.endswith(device.split('device:')[-1]), (v.device, device)
     assert pipe.devices[3].endswith('CPU:3')
+
+
+@pytest.mark.parametrize('replicas', [1, 2])
+def test_every_op_of_a_step_is_placed(replicas):
+    # On a TF cluster an op without a device runs on the client: the batch (or the output, or
+    # a gradient) would travel there and back, and the client would compute in the pipeline.
+    sub, (x,) = _fc_model()
+    pipe = _pipe(sub, 2, 4, 'except_last', num_replicas=replicas)
+    variables = pipe.trainable_variables
+
+    def train():
+        with tf.GradientTape() as tape:
+            out = pipe.FProp(x)
+            with tf.device(pipe.devices[-1]):
+                loss = tf.reduce_sum(out * out)
+        with tf.device(pipe.devices[-1]):
+            return tape.gradient(loss, variables)
+
+    def evaluate():
+        with fprop_context.eval_mode():
+            return pipe.FProp(x)
+
+    for fn in (train, evaluate):
+        assert bulk_unplaced(tf.function(fn).get_concrete_function().graph) == []
 
 
 def test_cell_tpl_and_splits():

@@ -1,8 +1,10 @@
-"""Optimizer slots are created on their variables' devices."""
+"""Optimizer slots, and the update work, on their variables' devices."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.placement_testing import ASSIGNS, misplaced_updates
 from tf_gpipe import placement
 
 
@@ -38,3 +40,60 @@ def test_loss_scale_optimizer_slots_follow_variables():
     )
     slots = [s for s in optimizer.variables if tuple(s.shape) == (3,)]
     assert len(slots) == 2 and all(s.value.device.endswith('CPU:2') for s in slots)
+
+
+# ---- where the update work runs ---------------------------------------------------------------
+
+
+def _variables_on(devices, shape=(4, 3)):
+    out = []
+    for i, d in enumerate(devices):
+        with tf.device(d):
+            out.append(tf.Variable(tf.ones(shape) * (i + 1), name=f'v{i}'))
+    return out
+
+
+@pytest.mark.parametrize(
+    'make',
+    [
+        lambda: tf.keras.optimizers.Adam(0.1),
+        lambda: tf.keras.optimizers.AdamW(0.1, weight_decay=0.01, global_clipnorm=1.0),
+        lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=1.0),
+        lambda: tf.keras.optimizers.RMSprop(0.1, clipvalue=0.5),
+        lambda: tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.Adam(0.1)),
+    ],
+)
+def test_updates_run_on_the_variables_devices(make):
+    variables = _variables_on(['/device:CPU:1', '/device:CPU:3'])
+    grads = []
+    for v in variables:
+        with tf.device(v.device):
+            grads.append(tf.ones_like(v) * 3.0)
+    optimizer = placement.build_optimizer(make(), variables)
+
+    @tf.function
+    def step():
+        # The caller's scope is some other device: updates must not follow it.
+        with tf.device('/device:CPU:0'):
+            optimizer.apply_gradients(zip(grads, variables))
+
+    graph = step.get_concrete_function().graph
+    assert misplaced_updates(graph) == []
+    assert sum(op.type in ASSIGNS for op in graph.get_operations()) >= 2
+
+
+def test_updates_follow_variables_same_numbers_as_keras():
+    # Colocating changes where the ops run, not what they compute.
+    def run(colocate):
+        variables = _variables_on(['/device:CPU:1', '/device:CPU:2'])
+        optimizer = tf.keras.optimizers.AdamW(0.1, weight_decay=0.05, global_clipnorm=0.3)
+        if colocate:
+            placement.build_optimizer(optimizer, variables)
+        grads = [tf.reshape(tf.range(12.0), (4, 3)) * (i + 1) for i in range(2)]
+        step = tf.function(lambda: optimizer.apply_gradients(zip(grads, variables)))
+        for _ in range(3):
+            step()
+        return [v.numpy() for v in variables]
+
+    for got, want in zip(run(True), run(False)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

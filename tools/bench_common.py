@@ -87,16 +87,25 @@ def train_step(model, x, optimizer=None, trace_events=None):
     [start, end] timestamps of every recorded pipeline action.
     """
     variables = model.trainable_variables
+    # Every op is placed on a worker: on a TF cluster an unplaced op runs on the client, which
+    # would make the client (an unpinned process) do part of the work. The plain sequence runs
+    # wholly on its one device; a pipeline places its own ops, the loss goes to its last stage.
+    pipelined = hasattr(model, 'devices')
+    step_device = None if pipelined else variables[0].device
+    loss_device = model.devices[-1] if pipelined else step_device
 
     def run():
-        with tf.GradientTape() as tape:
+        with tf.device(step_device), tf.GradientTape() as tape:
             out = model.FProp(x)
             out = out[0] if isinstance(out, tuple) else out
-            loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
-        grads = tape.gradient(loss, variables)
+            with tf.device(loss_device):
+                loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
+        with tf.device(loss_device):  # where the backward pass starts
+            grads = tape.gradient(loss, variables)
         if optimizer is None:
             for v, g in zip(variables, grads):
-                v.assign_sub(1e-6 * g)  # plain SGD, run where v lives
+                with tf.device(v.device):
+                    v.assign_sub(1e-6 * g)  # plain SGD, run where v lives
         else:
             optimizer.apply_gradients(zip(grads, variables))
         return loss

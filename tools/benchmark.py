@@ -4,8 +4,11 @@
     python tools/benchmark.py --families=fc --micro_batches=8 --json
 
 Every stage is its own TF worker process on 127.0.0.1, pinned to one core (taskset, one
-intra-op thread); this process is the client, and variables, updates and the input live on the
-workers. For each model family and M, a training step (forward, backward, SGD update) is timed
+intra-op thread); this process is the client, and every op of the step — input, cells, loss,
+update — runs on a worker (the plain sequence wholly on worker 0). Cells are cut by
+--partition_by, by default each layer's measured forward + backward time: on CPU the
+backward of a convolution costs far more than its flops say, so a flops split of AmoebaNet
+leaves the first stage with most of the work. For each model family and M, a training step (forward, backward, SGD update) is timed
 for K=1 (every layer on worker 0) and K=2..num_stages, alternating the step functions so that
 drift in the machine's load hits all alike (median of --steps). Printed per family:
 
@@ -32,6 +35,12 @@ POLICY = flags.DEFINE_enum(
 OVERHEAD_M = flags.DEFINE_integer('overhead_micro_batches', 8, 'M of the overhead rows.')
 STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-ups).')
 OVERHEADS = flags.DEFINE_bool('overheads', True, 'Also measure the overhead rows.')
+PARTITION_BY = flags.DEFINE_enum(
+    'partition_by',
+    'time',
+    ['time', 'flops', 'params', 'activation_bytes', 'uniform'],
+    "The partitioner's cost (time: each layer's forward + backward, measured here).",
+)
 KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default below).")
 BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
@@ -61,7 +70,12 @@ def throughput(family, devices, micro_batches, policy, steps):
     rows = []
     for m in micro_batches:
         ks = list(range(1, len(devices) + 1))
-        steps_fns = [train_step(build(sub, shape, devices[:k], m, policy), x) for k in ks]
+        steps_fns = [
+            train_step(
+                build(sub, shape, devices[:k], m, policy, partition_by=PARTITION_BY.value), x
+            )
+            for k in ks
+        ]
         for k, t in zip(ks, median_times(steps_fns, steps)):
             rows.append(
                 dict(num_stages=k, num_micro_batches=m, seconds=t, examples_per_s=c['batch'] / t)
@@ -98,10 +112,11 @@ def measure(family):
             overheads(family, devices[0], OVERHEAD_M.value, STEPS.value) if OVERHEADS.value else []
         )
     by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
-    base = by.get((2, 1), by.get((1, 1)))
+    # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
+    base = by.get((2, 1), by.get((1, 1))) or min(rows, key=lambda r: r['num_micro_batches'])
     for r in rows:
         k, m = r['num_stages'], r['num_micro_batches']
-        r['normalised'] = r['examples_per_s'] / base['examples_per_s'] if base else None
+        r['normalised'] = r['examples_per_s'] / base['examples_per_s']
         if k > 1:
             r['speedup'] = by[(1, m)]['seconds'] / r['seconds']
             r['bubble_bound'] = k * m / (m + k - 1)
@@ -113,6 +128,8 @@ def measure(family):
         batch_size=c['batch'],
         config=c['overrides'],
         recompute=POLICY.value,
+        partition_by=PARTITION_BY.value,
+        baseline=dict(num_stages=base['num_stages'], num_micro_batches=base['num_micro_batches']),
         throughput=rows,
         overheads=over,
     )
@@ -121,13 +138,18 @@ def measure(family):
 def _print(result):
     print(
         f'\n{result["family"]} (knob {result["knob"]}, {result["config"]}), batch '
-        f'{result["batch_size"]}, recompute={result["recompute"]}, one single-core worker per stage'
+        f'{result["batch_size"]}, recompute={result["recompute"]}, '
+        f'partition_by={result["partition_by"]}, one single-core worker per stage'
     )
     rows = result['throughput']
     micro = sorted({r['num_micro_batches'] for r in rows})
     ks = sorted({r['num_stages'] for r in rows})
     by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
-    print('normalised throughput (K=2, M=1 = 1.00, as in the paper); examples/s in brackets')
+    b = result['baseline']
+    print(
+        f'normalised throughput (K={b["num_stages"]}, M={b["num_micro_batches"]} = 1.00; the '
+        'paper uses K=2, M=1); examples/s in brackets'
+    )
     print(f'{"":>8}' + ''.join(f'{"M=" + str(m):>16}' for m in micro))
     for k in ks:
         cells = ''.join(

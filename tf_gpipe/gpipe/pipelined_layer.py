@@ -187,7 +187,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             return tf.cast(ctx.step, tf.int64)
         if not ctx.training:
             return tf.constant(0, tf.int64)
-        return self.vars.step.assign_add(1) - 1
+        with tf.device(self._devices[0]):
+            return self.vars.step.assign_add(1) - 1
 
     def FProp(self, *inputs):
         p = self.params
@@ -196,10 +197,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         r_count, m_count = self.num_replicas, p.num_micro_batches
         microbatch.check_divisible(inputs, r_count * m_count, p.batch_dim)
         if not ctx.training:
-            shards = microbatch.split(inputs, r_count, p.batch_dim)
             outs = [
-                self._Eval(runners, microbatch.split(shard, m_count, p.batch_dim), step)
-                for runners, shard in zip(self._runners, shards)
+                self._Eval(runners, micro, step)
+                for runners, micro in zip(self._runners, self._MicroBatches(inputs))
             ]
             with tf.device(self._devices[-1]):
                 return self._Unpack(microbatch.merge(outs, p.batch_dim))
@@ -208,12 +208,9 @@ class PipelinedLayer(base_layer.BaseLayer):
 
         @tf.custom_gradient
         def pipeline(*flat):
-            shards = microbatch.split(
-                tf.nest.pack_sequence_as(inputs, list(flat)), r_count, p.batch_dim
-            )
+            replica_micro = self._MicroBatches(tf.nest.pack_sequence_as(inputs, list(flat)))
             replica_outs, saved = [], []
-            for runners, shard in zip(self._runners, shards):
-                micro = microbatch.split(shard, m_count, p.batch_dim)
+            for runners, micro in zip(self._runners, replica_micro):
                 outputs, state = self._ForwardWave(runners, micro, step)
                 with tf.device(runners[-1].device):
                     replica_outs.append(microbatch.merge(outputs, p.batch_dim))
@@ -229,17 +226,36 @@ class PipelinedLayer(base_layer.BaseLayer):
 
             return tf.nest.flatten(merged), grad
 
-        flat_out = pipeline(*flat_inputs)
+        # tf.custom_gradient joins inputs, outputs and variables in one IdentityN op: on the
+        # last stage, where the outputs are, rather than wherever the caller's scope says
+        # (on a TF cluster the client, which would pull the whole batch through it).
+        with tf.device(self._devices[-1]):
+            flat_out = pipeline(*flat_inputs)
         return self._Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
+
+    def _MicroBatches(self, inputs):
+        """[per replica: [per micro-batch: inputs]], split on each replica's first stage.
+
+        Every split is placed: on a TF cluster an unplaced one runs on the client, and the
+        batch would travel there and back before the first cell could start.
+        """
+        p = self.params
+        with tf.device(self._devices[0]):
+            shards = microbatch.split(inputs, self.num_replicas, p.batch_dim)
+        out = []
+        for runners, shard in zip(self._runners, shards):
+            with tf.device(runners[0].device):
+                out.append(microbatch.split(shard, p.num_micro_batches, p.batch_dim))
+        return out
 
     def _Backward(self, saved, replica_outs, merged, dys, step, flat_inputs):
         """Backward waves of every replica, then the replicas' gradients summed per stage."""
         p = self.params
-        dys = [
-            tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
-            for y, dy in zip(tf.nest.flatten(merged), dys)
-        ]
         with tf.device(self._devices[-1]):
+            dys = [
+                tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
+                for y, dy in zip(tf.nest.flatten(merged), dys)
+            ]
             d_shards = microbatch.split(
                 tf.nest.pack_sequence_as(merged, dys), self.num_replicas, p.batch_dim
             )

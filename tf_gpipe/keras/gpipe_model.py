@@ -182,10 +182,18 @@ class GPipeModel(keras.Model):
         return keras.KerasTensor(shape, dtype=self._out_spec.dtype)
 
     def train_step(self, data):
-        logs = super().train_step(data)
+        # Loss, metrics and the start of the backward pass on the last stage, where the output
+        # is (unplaced, they would run on a TF cluster's client); updates stay with their
+        # variables (Keras colocates them).
+        with tf.device(self._pipe.devices[-1]):
+            logs = super().train_step(data)
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
         self._pipe.PostTrainingStepUpdate()
         return logs
+
+    def test_step(self, data):
+        with tf.device(self._pipe.devices[-1]):
+            return super().test_step(data)
 
     def build(self, input_shape=None):
         """Built at construction (every partition's weights already exist)."""

@@ -91,19 +91,28 @@ class Learner:
         changes neither weights nor optimizer state; `finite` says whether it ran.
         """
         p = self.params
-        grads = [
-            tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
-            for g, v in zip(grads, variables)
-        ]
-        if p.l2_regularizer_weight:
-            reg = {v.ref() for v in regularized}
-            grads = [
-                g + p.l2_regularizer_weight * v if v.ref() in reg else g
-                for g, v in zip(grads, variables)
-            ]
-        grad_norm = tf.linalg.global_norm(grads)
+        reg = {v.ref() for v in regularized} if p.l2_regularizer_weight else set()
+        # Each gradient's work on its variable's device (on a TF cluster, unplaced, the client
+        # would pull every gradient); only one scalar per gradient meets for the global norm.
+        new_grads, squares = [], []
+        for g, v in zip(grads, variables):
+            with tf.device(v.device):
+                g = tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
+                if v.ref() in reg:
+                    g += p.l2_regularizer_weight * v
+                squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+            new_grads.append(g)
+        grads = new_grads
+        grad_norm = tf.sqrt(tf.add_n(squares))
         if p.clip_gradient_norm:
-            grads, _ = tf.clip_by_global_norm(grads, p.clip_gradient_norm, use_norm=grad_norm)
+            # tf.clip_by_global_norm's scale: clip / max(norm, clip), NaN for a non-finite norm.
+            clip = p.clip_gradient_norm
+            scale = clip * tf.minimum(1.0 / grad_norm, 1.0 / clip) + (grad_norm - grad_norm)
+            new_grads = []
+            for g, v in zip(grads, variables):
+                with tf.device(v.device):
+                    new_grads.append(g * tf.cast(scale, g.dtype))
+            grads = new_grads
         lr = self.schedule(self.optimizer.iterations)
         stats = NestedMap(grad_norm=grad_norm, learning_rate=lr)
 

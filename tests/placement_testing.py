@@ -1,0 +1,43 @@
+"""Checks on a traced step's graph: where its ops will run."""
+
+import tensorflow as tf
+
+ASSIGNS = {'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'}
+# Ops TF's placer puts with their input, or that compute nothing.
+_FOLLOWERS = {'Placeholder', 'Const', 'NoOp', 'ReadVariableOp', 'Identity'}
+
+
+def _tail(device):
+    return device.split('device:')[-1] if device else ''
+
+
+def misplaced_updates(graph):
+    """Assignments of a non-scalar value computed off its variable's device (a counter or a
+    metric's total may come from anywhere)."""
+    devices = {internal.ref(): external.device for external, internal in graph.captures}
+
+    def device(tensor):  # as the placer will decide for a variable's reader or an identity
+        op = tensor.op
+        if op.device or op.type not in ('ReadVariableOp', 'Identity'):
+            return op.device
+        return devices.get(op.inputs[0].ref()) or device(op.inputs[0])
+
+    bad = []
+    for op in graph.get_operations():
+        if op.type in ASSIGNS and op.inputs[1].shape.rank != 0:
+            want = _tail(devices.get(op.inputs[0].ref(), ''))
+            got = _tail(device(op.inputs[1]))
+            if want and got != want:
+                bad.append(f'{op.name}: value from {got or "no device"}, variable on {want}')
+    return bad
+
+
+def bulk_unplaced(graph):
+    """Unplaced ops with a non-scalar output: on a TF cluster, tensors the client computes."""
+    return [
+        f'{op.type}:{op.name}'
+        for op in graph.get_operations()
+        if not op.device
+        and op.type not in _FOLLOWERS
+        and any(o.dtype != tf.resource and o.shape.rank != 0 for o in op.outputs)
+    ]
