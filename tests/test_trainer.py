@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import tensorflow as tf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -145,3 +146,25 @@ def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):
         )
         assert ev.returncode == 0, ev.stderr[-3000:]
         assert _scalars(f'{logdir}/eval', 'accuracy')[0][0] == 20
+
+
+@pytest.mark.parametrize(
+    'key', ['lm.synthetic.TransformerLmTiny', 'mt.synthetic.TransformerNmtTiny']
+)
+def test_a_training_step_computes_on_the_stages_only(tmp_path, key):
+    # On a TF cluster an unplaced op runs on the client: apart from the input (made on the
+    # host), no tensor of the step may be computed there, and each update runs on its
+    # variable's device.
+    from tests.placement_testing import bulk_unplaced, misplaced_updates
+    from tf_gpipe import model_registry
+    from tf_gpipe.trainer import trainer
+
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    model = model_registry.GetClass(key)()
+    t = trainer.Trainer(
+        trainer.ModelParams(model.Task(), model.Train(), model.Test()), str(tmp_path)
+    )
+    t.Build()
+    graph = t._train_step.get_concrete_function().graph
+    assert [op for op in bulk_unplaced(graph) if ':input/' not in op] == []
+    assert misplaced_updates(graph) == []

@@ -104,10 +104,14 @@ class Trainer:
 
     def _TrainStep(self):
         step = self.global_step.read_value()
-        batch = self.train_input.GetBatch(step)
+        with tf.name_scope('input'):  # made on the host (the client of a TF cluster)
+            batch = self.train_input.GetBatch(step)
         with fprop_context.scope(step=step, training=True), tf.GradientTape() as tape:
             out = self.task.FPropTower(batch)
-        grads = tape.gradient(out.loss, self.variables)
+        # The backward pass starts at the loss, on the last stage (the task computes it there);
+        # the pipeline places the rest of it.
+        with tf.device(self.task.network.devices[-1]):
+            grads = tape.gradient(out.loss, self.variables)
         # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
         stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
         self.task.PostTrainingStepUpdate()
