@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tests.placement_testing import bulk_unplaced
 from tf_gpipe import base_layer, fprop_context, gpipe, layers
+from tf_gpipe.gpipe import trace
 from tf_gpipe.nested_map import NestedMap
 
 K_VALUES = (1, 2, 4)
@@ -380,26 +381,45 @@ def test_errors_are_clear():
         _pipe(bad, 2, 2, 'always').FProp(tf.ones([4, 8]))
 
 
-@pytest.mark.parametrize('policy', ['always', 'never'])
+@pytest.mark.parametrize('policy', ['always', 'except_last', 'never'])
 def test_each_device_runs_its_actions_in_schedule_order(policy):
-    """In the traced step, every call on a device has a control input on the device's previous
-    action, so the executor cannot reorder a device's work (memory and overlap are pinned)."""
+    """In the traced step, each action on a device (a cell call, or a kept forward's ops)
+    depends on the device's previous action, so the executor cannot reorder a device's work
+    (memory and overlap are pinned)."""
     sub, inputs = _fc_model()
     pipe = _pipe(sub, 2, 4, policy)
-    graph = tf.function(lambda *x: _loss_and_grads(pipe, x)).get_concrete_function(*inputs).graph
-    calls = [
-        op
-        for op in graph.get_operations()
-        if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    with trace.record() as events:
+        tf.function(lambda *x: _loss_and_grads(pipe, x)).get_concrete_function(*inputs)
+    assert [(e.phase, e.stage, e.micro_batch) for e in events] == [
+        (a.phase, a.stage, a.micro_batch) for a in gpipe.schedule.gpipe_schedule(2, 4)
     ]
-    for device in pipe.devices:
-        on_device = [op for op in calls if op.device.endswith(device.split('device:')[-1])]
-        # One forward call per micro-batch, then one backward (recompute or gradient) call
-        # per micro-batch, in schedule order; each waits for the one before.
-        assert len(on_device) == 8
-        for previous, op in zip(on_device, on_device[1:]):
-            waits_on = {c for t in op.inputs for c in t.op.control_inputs}
-            assert previous in waits_on, op.name
+    for stage in range(2):
+        on_device = [e for e in events if e.stage == stage]
+        for previous, action in zip(on_device, on_device[1:]):
+            # The previous action (its call, or the ops its end stamp waits for) is among the
+            # ancestors of the op that marks this action's start.
+            done = _action_ops(previous)
+            assert done and done <= _ancestors(action.start.op), (previous, action)
+
+
+def _action_ops(event):
+    op = event.end.op
+    if op.type != 'Timestamp':  # stamped inside a cell call: the call op
+        return {op}
+    return {c for c in op.control_inputs if c.type != 'Timestamp'}
+
+
+def _ancestors(op):
+    """Every op `op` depends on through data or control edges, not counting the chain
+    tf.function adds between Timestamp ops (it orders the stamps, not the work)."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen and parent.type != 'Timestamp':
+                seen.add(parent)
+                stack.append(parent)
+    return seen
 
 
 def _replicated(sub, r, k, m, policy='always', **kw):

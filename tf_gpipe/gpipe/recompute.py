@@ -30,6 +30,11 @@ def _timed():
     return trace.recording() and not tf.executing_eagerly()
 
 
+def _stamp_after(structure):
+    with tf.control_dependencies([t for t in tf.nest.flatten(structure) if t is not None]):
+        return tf.timestamp()
+
+
 def as_tuple(outputs):
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -42,6 +47,7 @@ class CellRunner:
         self.device = device
         self.index = index
         self._variables = None
+        self._jit = bool(jit_compile)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
         self._forward = tf.function(self._Forward, **options)
@@ -73,7 +79,7 @@ class CellRunner:
             # Timed (gpipe.trace): the call's first op stamps when the call really began.
             start = tf.timestamp() if timed else None
             outputs = self._Run(inputs)
-            return (outputs, start) if timed else outputs
+            return (outputs, start, _stamp_after(outputs)) if timed else outputs
 
     def _Backward(self, inputs, output_grads, step, micro_batch, timed=False):
         with (
@@ -86,7 +92,7 @@ class CellRunner:
                 tape.watch(sources)
                 outputs = self._Run(inputs)
             grads = self._Gradients(tape, sources, outputs, output_grads)
-            return (grads, start) if timed else grads
+            return (grads, start, _stamp_after(grads)) if timed else grads
 
     def _Gradients(self, tape, sources, outputs, output_grads):
         targets, grads = [], []
@@ -113,15 +119,23 @@ class CellRunner:
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
-            outputs = self._Timed(self._forward(inputs, step, micro_batch, True, False, _timed()))
+            if self._jit or tf.executing_eagerly() or _timed():  # timed: a call stamps itself
+                outputs = self._Timed(
+                    self._forward(inputs, step, micro_batch, True, False, _timed())
+                )
+            else:
+                # Kept activations need no call boundary: the cell's ops go straight into the
+                # step's graph, where TF optimises forward and backward together (as for the
+                # plain sequence). The inputs already wait for the device's previous action.
+                outputs = self._Forward(inputs, step, micro_batch, True, False)
         return outputs, (tape, sources, outputs)
 
     def _Timed(self, result):
-        """Unpacks (result, start stamp) of a timed call, handing the stamp to gpipe.trace."""
+        """Unpacks (result, start, end) of a timed call, handing the stamps to gpipe.trace."""
         if not _timed():
             return result
-        result, start = result
-        trace.note_start(start)
+        result, start, end = result
+        trace.note_stamps(start, end)
         return result
 
     def BackwardKept(self, kept, output_grads):
