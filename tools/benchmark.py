@@ -21,6 +21,8 @@ drift in the machine's load hits all alike (median of --steps). Printed per fami
 
 import json
 import os
+import subprocess
+import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
@@ -44,6 +46,12 @@ PARTITION_BY = flags.DEFINE_enum(
 KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default below).")
 BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+ISOLATE = flags.DEFINE_bool(
+    'isolate',
+    True,
+    'Measure each M (and the overhead rows) in a fresh process with fresh workers: a worker '
+    'keeps every function it has run, and later configurations in one process measured slower.',
+)
 
 # Sizes per family: a K=1 step of a fraction of a second to a few seconds on one core.
 CONFIGS = {
@@ -99,21 +107,55 @@ def overheads(family, device, m, steps):
     return [dict(name=n, seconds=t, vs_plain=t / times[0]) for (n, _), t in zip(configs, times)]
 
 
-def measure(family):
+def _measure_here(family, micro, with_overheads):
+    """(throughput rows, overhead rows) measured with workers started by this process."""
     from tf_gpipe import local_cluster
 
     k_max = STAGES.value
     with local_cluster.LocalCluster(k_max, cores=list(range(k_max))) as cluster:
         cluster.connect()
         devices = cluster.devices()
-        micro = [int(m) for m in MICRO.value]
         rows = throughput(family, devices, micro, POLICY.value, STEPS.value)
         over = (
-            overheads(family, devices[0], OVERHEAD_M.value, STEPS.value) if OVERHEADS.value else []
+            overheads(family, devices[0], OVERHEAD_M.value, STEPS.value) if with_overheads else []
         )
+    return rows, over
+
+
+def _measure_isolated(family, micro, with_overheads):
+    """As _measure_here, each M (and the overhead rows) in a fresh client with fresh workers."""
+    rows, over = [], []
+    parts = [([m], False) for m in micro] + ([([], True)] if with_overheads else [])
+    for part_micro, part_over in parts:
+        args = [
+            f'--families={family}',
+            f'--micro_batches={",".join(str(m) for m in part_micro)}',
+            f'--overheads={part_over}',
+            '--isolate=false',
+            '--json',
+        ]
+        for flag in (STAGES, POLICY, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH):
+            args.append(f'--{flag.name}={flag.value}')
+        run = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True
+        )
+        if run.returncode:
+            raise RuntimeError(f'benchmark {" ".join(args)} failed:\n{run.stderr[-3000:]}')
+        result = json.loads(run.stdout.strip().splitlines()[-1])[0]
+        rows += result['throughput']
+        over += result['overheads']
+    return rows, over
+
+
+def measure(family):
+    micro = [int(m) for m in MICRO.value]
+    measure_fn = _measure_isolated if ISOLATE.value else _measure_here
+    rows, over = measure_fn(family, micro, OVERHEADS.value)
     by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
     # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
-    base = by.get((2, 1), by.get((1, 1))) or min(rows, key=lambda r: r['num_micro_batches'])
+    base = by.get((2, 1), by.get((1, 1)))
+    if base is None and rows:
+        base = min(rows, key=lambda r: r['num_micro_batches'])
     for r in rows:
         k, m = r['num_stages'], r['num_micro_batches']
         r['normalised'] = r['examples_per_s'] / base['examples_per_s']
@@ -129,7 +171,8 @@ def measure(family):
         config=c['overrides'],
         recompute=POLICY.value,
         partition_by=PARTITION_BY.value,
-        baseline=dict(num_stages=base['num_stages'], num_micro_batches=base['num_micro_batches']),
+        baseline=base
+        and dict(num_stages=base['num_stages'], num_micro_batches=base['num_micro_batches']),
         throughput=rows,
         overheads=over,
     )
@@ -142,29 +185,30 @@ def _print(result):
         f'partition_by={result["partition_by"]}, one single-core worker per stage'
     )
     rows = result['throughput']
-    micro = sorted({r['num_micro_batches'] for r in rows})
-    ks = sorted({r['num_stages'] for r in rows})
-    by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
-    b = result['baseline']
-    print(
-        f'normalised throughput (K={b["num_stages"]}, M={b["num_micro_batches"]} = 1.00; the '
-        'paper uses K=2, M=1); examples/s in brackets'
-    )
-    print(f'{"":>8}' + ''.join(f'{"M=" + str(m):>16}' for m in micro))
-    for k in ks:
-        cells = ''.join(
-            f'{by[(k, m)]["normalised"]:>7.2f} ({by[(k, m)]["examples_per_s"]:>6.1f})'
-            for m in micro
+    if rows:
+        micro = sorted({r['num_micro_batches'] for r in rows})
+        ks = sorted({r['num_stages'] for r in rows})
+        by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
+        b = result['baseline']
+        print(
+            f'normalised throughput (K={b["num_stages"]}, M={b["num_micro_batches"]} = 1.00; the '
+            'paper uses K=2, M=1); examples/s in brackets'
         )
-        print(f'{"K=" + str(k):>8}{cells}')
-    for k in ks[1:]:
-        print(f'K={k} vs K=1 at the same M: speed-up / bound K*M/(M+K-1) = efficiency')
-        for m in micro:
-            r = by[(k, m)]
-            print(
-                f'{"M=" + str(m):>8}  {r["speedup"]:.2f} / {r["bubble_bound"]:.2f} = '
-                f'{r["efficiency"]:.2f}'
+        print(f'{"":>8}' + ''.join(f'{"M=" + str(m):>16}' for m in micro))
+        for k in ks:
+            cells = ''.join(
+                f'{by[(k, m)]["normalised"]:>7.2f} ({by[(k, m)]["examples_per_s"]:>6.1f})'
+                for m in micro
             )
+            print(f'{"K=" + str(k):>8}{cells}')
+        for k in ks[1:]:
+            print(f'K={k} vs K=1 at the same M: speed-up / bound K*M/(M+K-1) = efficiency')
+            for m in micro:
+                r = by[(k, m)]
+                print(
+                    f'{"M=" + str(m):>8}  {r["speedup"]:.2f} / {r["bubble_bound"]:.2f} = '
+                    f'{r["efficiency"]:.2f}'
+                )
     if result['overheads']:
         print('overheads on one worker (step seconds, ratio to the plain sequence):')
         for r in result['overheads']:
