@@ -87,7 +87,7 @@ def colocate_updates(optimizer):
                 with tf.device(_device_of(g)):
                     out.append(clip_gradients([g])[0])
             return out
-        return _clip_by_global_norm(grads, norm)
+        return clip_by_global_norm(grads, norm)
 
     def all_reduce_across_replicas(grads_and_vars):
         # With no tf.distribute strategy there is one replica and Keras's all-reduce is an
@@ -106,21 +106,31 @@ def colocate_updates(optimizer):
     return optimizer
 
 
-def _clip_by_global_norm(grads, clip_norm):
-    """Keras's clip_by_global_norm, with each gradient's share computed on its device."""
+def global_norm(grads, devices=None):
+    """The global L2 norm of `grads`, each gradient's share computed on its device.
+
+    `devices[i]` (e.g. its variable's) places gradient i's work, else the gradient's own;
+    only one scalar per gradient meets for the sum.
+    """
     squares = []
-    for g in grads:
+    for g, device in zip(grads, devices or [None] * len(grads)):
         if g is not None:
-            with tf.device(_device_of(g)):
+            with tf.device(device or _device_of(g)):
                 squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
-    norm = tf.sqrt(tf.add_n(squares))
-    # As Keras: a no-op for a finite norm below clip_norm, NaN for a non-finite one.
+    return tf.sqrt(tf.add_n(squares))
+
+
+def clip_by_global_norm(grads, clip_norm, norm=None, devices=None):
+    """tf/Keras clip_by_global_norm, each gradient scaled on its device (as `global_norm`)."""
+    if norm is None:
+        norm = global_norm(grads, devices)
+    # As tf and Keras: clip / max(norm, clip), a no-op below clip_norm, NaN for a non-finite norm.
     scale = clip_norm * tf.minimum(1.0 / norm, 1.0 / clip_norm) + (norm - norm)
     out = []
-    for g in grads:
+    for g, device in zip(grads, devices or [None] * len(grads)):
         if g is None:
             out.append(None)
             continue
-        with tf.device(_device_of(g)):
+        with tf.device(device or _device_of(g)):
             out.append(g * tf.cast(scale, g.dtype))
     return out

@@ -94,25 +94,18 @@ class Learner:
         reg = {v.ref() for v in regularized} if p.l2_regularizer_weight else set()
         # Each gradient's work on its variable's device (on a TF cluster, unplaced, the client
         # would pull every gradient); only one scalar per gradient meets for the global norm.
-        new_grads, squares = [], []
+        devices = [v.device for v in variables]
+        new_grads = []
         for g, v in zip(grads, variables):
             with tf.device(v.device):
                 g = tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
                 if v.ref() in reg:
                     g += p.l2_regularizer_weight * v
-                squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
             new_grads.append(g)
         grads = new_grads
-        grad_norm = tf.sqrt(tf.add_n(squares))
+        grad_norm = placement.global_norm(grads, devices)
         if p.clip_gradient_norm:
-            # tf.clip_by_global_norm's scale: clip / max(norm, clip), NaN for a non-finite norm.
-            clip = p.clip_gradient_norm
-            scale = clip * tf.minimum(1.0 / grad_norm, 1.0 / clip) + (grad_norm - grad_norm)
-            new_grads = []
-            for g, v in zip(grads, variables):
-                with tf.device(v.device):
-                    new_grads.append(g * tf.cast(scale, g.dtype))
-            grads = new_grads
+            grads = placement.clip_by_global_norm(grads, p.clip_gradient_norm, grad_norm, devices)
         lr = self.schedule(self.optimizer.iterations)
         stats = NestedMap(grad_norm=grad_norm, learning_rate=lr)
 
