@@ -97,12 +97,15 @@ def _finite_checkpoint(path):
             assert np.isfinite(value).all(), name
 
 
+# An absurd learning rate, unclipped: the loss becomes NaN/Inf within a few steps.
+_DIVERGE = (
+    'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
+    'task.learner.clip_gradient_norm=0.0; '
+)
+
+
 def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path):
-    p = _params(
-        'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
-        'task.learner.clip_gradient_norm=0.0; task.train.save_interval_steps=1; '
-        'task.train.max_steps=50'
-    )
+    p = _params(_DIVERGE + 'task.train.save_interval_steps=1; task.train.max_steps=50')
     t = trainer.Trainer(p, str(tmp_path))
     with pytest.raises(FloatingPointError, match=r'Training diverged at step (\d+)') as info:
         t.Train()
@@ -116,11 +119,7 @@ def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp
 
 
 def test_divergent_steps_can_be_skipped_and_counted(tmp_path):
-    p = _params(
-        'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
-        'task.learner.clip_gradient_norm=0.0; task.train.nonfinite_policy=skip; '
-        'task.train.max_steps=6'
-    )
+    p = _params(_DIVERGE + 'task.train.nonfinite_policy=skip; task.train.max_steps=6')
     t = trainer.Trainer(p, str(tmp_path))
     last = t.Train()
     assert last['nonfinite_steps'] >= 1 and int(t.global_step) == 6
