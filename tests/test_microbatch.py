@@ -26,18 +26,28 @@ def test_batch_dim_1():
     np.testing.assert_array_equal(microbatch.merge(parts, batch_dim=1), x)
 
 
-def test_not_divisible_names_batch_m_and_fix():
-    with pytest.raises(
-        ValueError, match=r'batch of 10 examples cannot be split into 4 .* e\.g\. 12'
-    ):
-        microbatch.split(tf.ones([10, 3]), 4)
+def test_any_batch_size_splits_into_pieces_differing_by_at_most_one():
+    x = tf.reshape(tf.range(30), [30, 1])
+    parts = microbatch.split(x, microbatch.num_pieces(30, 8))
+    assert [int(p.shape[0]) for p in parts] == [4, 4, 4, 4, 4, 4, 3, 3]
+    np.testing.assert_array_equal(microbatch.merge(parts), x)
+    assert microbatch.num_pieces(5, 8) == 5  # fewer micro-batches than M for a small batch
+    assert [int(p.shape[0]) for p in microbatch.split(tf.ones([5, 2]), 5)] == [1] * 5
 
 
-def test_unknown_batch_size_is_checked_at_run_time():
-    f = tf.function(lambda x: microbatch.split(x, 4)[0], input_signature=[tf.TensorSpec([None, 2])])
-    assert f(tf.ones([8, 2])).shape == [2, 2]
-    with pytest.raises(tf.errors.InvalidArgumentError, match='multiple of num_micro_batches=4'):
-        f(tf.ones([6, 2]))
+def test_unknown_batch_size_splits_at_run_time():
+    f = tf.function(
+        lambda x: [tf.shape(p)[0] for p in microbatch.split(x, 4)],
+        input_signature=[tf.TensorSpec([None, 2])],
+    )
+    assert [int(n) for n in f(tf.ones([8, 2]))] == [2, 2, 2, 2]
+    assert [int(n) for n in f(tf.ones([6, 2]))] == [2, 2, 1, 1]
+    assert [int(n) for n in f(tf.ones([2, 2]))] == [1, 1, 0, 0]  # empty pieces, no error
+
+
+def test_inputs_that_disagree_on_the_batch():
+    with pytest.raises(ValueError, match=r'disagree on the batch size .*\[4, 5\]'):
+        microbatch.split((tf.ones([4, 2]), tf.ones([5, 2])), 2)
 
 
 def test_input_without_batch_dim():

@@ -37,6 +37,7 @@ def test_pipeline_example_trains():
     result = _run(block)
     assert result.returncode == 0, result.stderr[-2000:]
     assert 'fc6 .. softmax (3)' in result.stdout and '(32, 10)' in result.stdout
+    assert 'device 3: F3.0 B3.0 F3.1 B3.1' in result.stdout and '1f1b loss' in result.stdout
 
 
 def test_keras_example_trains_saves_and_restores():

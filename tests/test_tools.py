@@ -38,12 +38,15 @@ def test_largest_finds_the_last_knob_that_fits(limit):
     assert best == min(limit, 256)  # a start above the answer still bisects down to it
 
 
-def test_ideal_timeline_has_the_gpipe_bubble():
-    for k, m in [(2, 8), (4, 4), (3, 16)]:
-        events = bench_common.ideal_events(k, m, 1.0, 2.0)
-        span = max(e[4] for e in events)
-        _, mean = bench_common.bubble(events, k, span)
-        assert abs(mean - (k - 1) / (m + k - 1)) < 1e-9
+def test_ideal_timeline_has_each_schedules_bubble():
+    from tf_gpipe.gpipe import schedules
+
+    for k, m in [(2, 8), (4, 4), (3, 9)]:
+        for name, v in [('gpipe', 1), ('1f1b', 1), ('interleaved_1f1b', 3)]:
+            events = bench_common.ideal_events(schedules.build(name, k, m, v), 1.0, 2.0)
+            span = max(e[4] for e in events)
+            _, mean = bench_common.bubble(events, k, span)
+            assert abs(mean - schedules.bubble_fraction(k, m, v)) < 1e-9
 
 
 def test_a_trial_fits_or_runs_out_of_memory():

@@ -40,7 +40,8 @@ def test_events_follow_the_data_dependencies():
 
         _, stamps = step()
     assert [(e.phase, e.stage, e.micro_batch) for e in events] == [
-        (a.phase, a.stage, a.micro_batch) for a in gpipe.schedule.gpipe_schedule(2, 3)
+        (a.phase, a.stage, a.micro_batch)
+        for a in gpipe.schedules.execution_order(gpipe.schedules.build('gpipe', 2, 3))
     ]
     times = {(e.phase, e.stage, e.micro_batch): s.numpy() for e, s in zip(events, stamps)}
     for (phase, stage, m), (start, end) in times.items():

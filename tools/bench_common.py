@@ -6,7 +6,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import gpipe, layers
-from tf_gpipe.gpipe import schedule
+from tf_gpipe.gpipe import schedules
 from tf_gpipe.layers.amoebanet import AmoebaNetLayers
 
 # Model families: the knob grows the model (Transformer layers; AmoebaNet normal cells per stack).
@@ -58,6 +58,8 @@ def build(
     recompute='never',
     plain=False,
     partition_by='flops',
+    schedule='gpipe',
+    virtual_stages=1,
 ):
     """The plain layer sequence on devices[0] (plain=True) or a PipelinedLayer on devices."""
     if plain:
@@ -70,6 +72,8 @@ def build(
             sub=sub,
             num_partitions=len(devices),
             partition_by=partition_by,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
             input_shape=(1,) + tuple(input_shape),
             num_micro_batches=num_micro_batches,
             recompute=recompute,
@@ -94,7 +98,15 @@ def train_step(model, x, optimizer=None, trace_events=None):
     step_device = None if pipelined else variables[0].device
     loss_device = model.devices[-1] if pipelined else step_device
 
+    def loss_fn(out, targets):
+        del targets
+        out = out[0] if isinstance(out, tuple) else out
+        return tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
+
     def run():
+        if pipelined and model.params.schedule != 'gpipe':
+            loss, grads = model.ComputeGradients(x, None, loss_fn)
+            return apply(loss, grads)
         with tf.device(step_device), tf.GradientTape() as tape:
             out = model.FProp(x)
             out = out[0] if isinstance(out, tuple) else out
@@ -102,6 +114,9 @@ def train_step(model, x, optimizer=None, trace_events=None):
                 loss = tf.reduce_mean(tf.square(tf.cast(out, tf.float32)))
         with tf.device(loss_device):  # where the backward pass starts
             grads = tape.gradient(loss, variables)
+        return apply(loss, grads)
+
+    def apply(loss, grads):
         if optimizer is None:
             for v, g in zip(variables, grads):
                 with tf.device(v.device):
@@ -171,19 +186,13 @@ def bubble(events, num_stages, span):
     """Measured idle share of each device over the step span, and their mean."""
     idle = []
     for k in range(num_stages):
-        busy = sum(end - start for _, stage, _, start, end in events if stage == k)
+        # Stage s runs on device s mod K (interleaved schedules have K*v stages).
+        busy = sum(end - start for _, stage, _, start, end in events if stage % num_stages == k)
         idle.append(1.0 - busy / span)
     return idle, float(np.mean(idle))
 
 
-def ideal_events(num_stages, num_micro_batches, t_forward, t_backward):
-    """The fill-drain schedule with uniform durations: [(phase, stage, m, start, end)]."""
-    out = []
-    fill = num_micro_batches + num_stages - 1
-    for a in schedule.gpipe_schedule(num_stages, num_micro_batches):
-        if a.phase == schedule.FORWARD:
-            start, length = a.clock * t_forward, t_forward
-        else:
-            start, length = fill * t_forward + (a.clock - fill) * t_backward, t_backward
-        out.append((a.phase, a.stage, a.micro_batch, start, start + length))
-    return out
+def ideal_events(sched, t_forward, t_backward, t_weight=0.0):
+    """The schedule simulated with the given durations: [(phase, stage, m, start, end)]."""
+    sim = schedules.simulate(sched, t_forward, t_backward, t_weight or None)
+    return [(a.phase, a.stage, a.micro_batch, start, end) for a, (start, end) in sim.times.items()]

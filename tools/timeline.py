@@ -22,6 +22,9 @@ from absl import app, flags  # noqa: E402
 STAGES = flags.DEFINE_integer('num_stages', 2, 'K: stages, one single-core worker each.')
 MICRO = flags.DEFINE_integer('num_micro_batches', 8, 'M.')
 POLICY = flags.DEFINE_enum('recompute', 'always', ['always', 'except_last', 'never'], 'Policy.')
+SCHEDULE = flags.DEFINE_enum(
+    'schedule', 'gpipe', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'], 'Schedule.'
+)
 LAYERS = flags.DEFINE_integer('layers', 16, 'FC layers.')
 WIDTH = flags.DEFINE_integer('width', 512, 'Layer width.')
 BATCH = flags.DEFINE_integer('batch_size', 2048, 'Examples per step.')
@@ -31,7 +34,9 @@ LOCAL = flags.DEFINE_bool('local', False, 'Logical CPUs in this process instead 
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 
-def measure(num_stages, num_micro_batches, recompute, layers, width, batch, steps, local):
+def measure(
+    num_stages, num_micro_batches, recompute, layers, width, batch, steps, local, schedule='gpipe'
+):
     """(events [(phase, stage, micro_batch, start_s, end_s)], step span s) of a real step."""
     from bench_common import batch_input, build, family_layers, train_step
 
@@ -49,7 +54,7 @@ def measure(num_stages, num_micro_batches, recompute, layers, width, batch, step
         devices = workers.devices()
     try:
         sub, shape = family_layers('fc', layers, width=width)
-        model = build(sub, shape, devices, num_micro_batches, recompute)
+        model = build(sub, shape, devices, num_micro_batches, recompute, schedule=schedule)
         x = batch_input(shape, batch, devices[0])
         with trace.record() as events:
             step = train_step(model, x, trace_events=events)
@@ -81,9 +86,9 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
 
-    colors = {'F': '#4C72B0', 'B': '#DD8452'}
+    colors = {'F': '#4C72B0', 'B': '#DD8452', 'W': '#55A868'}
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 1.1 * num_stages * 2), sharex=True)
-    for ax, (label, events) in zip(axes, (('measured', measured), ('ideal GPipe', ideal))):
+    for ax, (label, events) in zip(axes, (('measured', measured), ('ideal', ideal))):
         for phase, stage, m, start, end in events:
             ax.broken_barh(
                 [(start * 1e3, (end - start) * 1e3)],
@@ -107,7 +112,7 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
         ax.set_title(label, loc='left', fontsize=10)
     axes[-1].set_xlabel(
         'ms since the step began  (blue: forward F of micro-batch m; orange: '
-        'recompute + backward B)'
+        'backward B (with recompute); green: weight gradient W)'
     )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -119,29 +124,45 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
 def main(_):
     import bench_common
 
-    from tf_gpipe.gpipe import schedule
+    from tf_gpipe.gpipe import schedules
 
     k, m = STAGES.value, MICRO.value
     events, span = measure(
-        k, m, POLICY.value, LAYERS.value, WIDTH.value, BATCH.value, STEPS.value, LOCAL.value
+        k,
+        m,
+        POLICY.value,
+        LAYERS.value,
+        WIDTH.value,
+        BATCH.value,
+        STEPS.value,
+        LOCAL.value,
+        SCHEDULE.value,
     )
     per_device, measured = bench_common.bubble(events, k, span)
-    t_f = float(np.mean([e - s for p, _, _, s, e in events if p == 'F']))
-    t_b = float(np.mean([e - s for p, _, _, s, e in events if p == 'B']))
-    ideal = bench_common.ideal_events(k, m, t_f, t_b)
-    expected = schedule.bubble_fraction(k, m)
+
+    def mean(phase):
+        times = [e - s for p, _, _, s, e in events if p == phase]
+        return float(np.mean(times)) if times else 0.0
+
+    t_f, t_b, t_w = mean('F'), mean('B'), mean('W')
+    sched = schedules.build(SCHEDULE.value, k, m)
+    ideal = bench_common.ideal_events(sched, t_f, t_b, t_w)
+    ideal_span = max(e[4] for e in ideal)
+    expected = 1.0 - sum(e[4] - e[3] for e in ideal) / (k * ideal_span)
     title = (
-        f'K={k}, M={m}, recompute={POLICY.value}: {LAYERS.value} FC x {WIDTH.value}, batch '
-        f'{BATCH.value}. Bubble measured {measured:.3f}, (K-1)/(M+K-1) = {expected:.3f}'
+        f'{SCHEDULE.value}, K={k}, M={m}, recompute={POLICY.value}: {LAYERS.value} FC x '
+        f'{WIDTH.value}, batch {BATCH.value}. Bubble measured {measured:.3f}, ideal {expected:.3f}'
     )
     draw(OUTPUT.value, events, ideal, k, m, title)
     result = dict(
         num_stages=k,
         num_micro_batches=m,
+        schedule=SCHEDULE.value,
         recompute=POLICY.value,
         step_ms=span * 1e3,
         forward_ms=t_f * 1e3,
         backward_ms=t_b * 1e3,
+        weight_ms=t_w * 1e3,
         bubble_measured=measured,
         bubble_per_device=per_device,
         bubble_ideal=expected,

@@ -1,26 +1,37 @@
-"""PipelinedLayer: K cells on K devices, M micro-batches, recompute, gradient accumulation.
+"""PipelinedLayer: the façade over the engine — cells on devices, micro-batches, schedules.
 
-In training, FProp is one custom-gradient op over the whole pipeline. Its forward runs GPipe's
-forward wave and keeps, per cell and micro-batch, only the cell's boundary input. Its gradient
-runs the backward wave: each cell re-runs its forward from that input (recompute) and returns
-d_input for the previous cell and d_variables, summed over micro-batches on the cell's device.
-So `tape.gradient(loss, pipe.trainable_variables)` is exactly the gradient of the plain layer
-sequence applied micro-batch by micro-batch (for layers that do not mix examples — all but
-batch norm — that is the full-batch gradient).
+A layer sequence is cut into K*v cells (v = virtual_stages; cell c on device c mod K) and every
+batch into M micro-batches. Training runs a schedule (schedules.py) with one executor
+(executor.py): each cell keeps only its boundary inputs and recomputes its activations in the
+backward pass (recompute.py), and every variable's gradient — whichever cells read it — is
+summed on the variable's own device (ownership.py); R replicas split the batch and sum their
+gradients (replication.py).
+
+Two ways to train:
+- `loss, grads = pipe.ComputeGradients(inputs, targets, loss_fn)`: every schedule; the loss of
+  each micro-batch is computed on the last stage as soon as its forward is done.
+- `pipe.FProp(x)` under a tape, then `tape.gradient`: fill-drain ('gpipe') only, as one
+  differentiable op whose gradient runs the backward actions.
+Both give exactly the plain sequence's gradients (micro-batch by micro-batch for layers that
+mix examples, i.e. batch norm).
 """
+
+import types
 
 import tensorflow as tf
 
 from tf_gpipe import base_layer, cluster, fprop_context
-from tf_gpipe.gpipe import microbatch, partition, schedule, trace
+from tf_gpipe.gpipe import (
+    executor,
+    microbatch,
+    ownership,
+    partition,
+    recompute,
+    replication,
+    schedules,
+)
 from tf_gpipe.gpipe.recompute import CellRunner
-from tf_gpipe.layers.normalization import BatchNormLayer
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
-
-try:  # Pauses every active tape (public equivalent: none for all tapes at once).
-    from tensorflow.python.eager.record import stop_recording as _stop_recording
-except ImportError:  # Older TF.
-    from tensorflow.python.eager.tape import stop_recording as _stop_recording
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 
@@ -33,16 +44,28 @@ class PipelinedLayer(base_layer.BaseLayer):
     @classmethod
     def Params(cls):
         p = super().Params()
-        p.Define('cell_tpl', None, 'List of K cell params (usually SequentialLayers); or use sub.')
-        p.Define('sub', None, 'Flat list of layer params, cut into num_partitions cells.')
-        p.Define('num_partitions', 1, 'K, the number of cells when sub is given.')
+        p.Define('cell_tpl', None, 'List of K*v cell params (usually SequentialLayers); or sub.')
+        p.Define('sub', None, 'Flat list of layer params, cut into num_partitions*v cells.')
+        p.Define('num_partitions', 1, 'K, the number of devices (cells: K*virtual_stages).')
         p.Define('partition_by', 'flops', f'Cost for balancing sub: {partition.PARTITION_BY}.')
         p.Define('splits', None, 'Explicit ending layer indices of the cells (overrides K).')
         p.Define('input_shape', None, 'Batch input shape, for partition_by flops/params/...')
         p.Define('input_dtype', tf.float32, "Input dtype, for partition_by='time'.")
-        p.Define('num_micro_batches', 1, 'M: micro-batches per batch (must divide the batch).')
+        p.Define(
+            'num_micro_batches',
+            1,
+            'M: micro-batches per batch. Any batch size works: min(M, N) micro-batches whose '
+            'sizes differ by at most one.',
+        )
         p.Define('batch_dim', 0, 'The batch dimension of every input and output tensor.')
         p.Define('recompute', 'except_last', f'Re-materialisation policy: {RECOMPUTE_POLICIES}.')
+        p.Define('schedule', 'gpipe', f'Pipeline schedule: {schedules.SCHEDULES}.')
+        p.Define(
+            'virtual_stages',
+            1,
+            "v: cells per device for schedule='interleaved_1f1b' (K*v cells, cell c on device "
+            'c mod K).',
+        )
         p.Define('num_replicas', 1, 'R: data-parallel replicas of the K-stage pipeline.')
         p.Define(
             'devices',
@@ -59,28 +82,41 @@ class PipelinedLayer(base_layer.BaseLayer):
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {p.recompute!r}.')
         base_layer.check_positive(p, 'num_micro_batches')
         base_layer.check_positive(p, 'num_replicas')
+        base_layer.check_positive(p, 'virtual_stages')
         cell_params, self._splits, self._sub = self._CellParams(p)
-        k, r_count = len(cell_params), p.num_replicas
+        if len(cell_params) % p.virtual_stages:
+            raise ValueError(
+                f'{p.name}: {len(cell_params)} cells cannot be dealt to devices '
+                f'virtual_stages={p.virtual_stages} at a time; give K*v cells.'
+            )
+        k, r_count = len(cell_params) // p.virtual_stages, p.num_replicas
+        # Fails early on a bad name (and checks M against the interleaved schedule).
+        schedules.build(p.schedule, k, p.num_micro_batches, p.virtual_stages)
+        # Plain caches, out of tf.Module's tracking (a checkpoint holds no schedules).
+        self._cache = types.SimpleNamespace(schedules={}, orders={})
         self._replica_devices = self._DeviceRows(p, r_count, k)
         self._devices = self._replica_devices[0]
         # Replica 0's cells are `cell<k>`; replica r's are `replica<r>_cell<k>`, copies that start
         # equal and receive the same all-reduced gradients, so they stay equal.
         self._replica_cells, self._runners = [], []
         for r, row in enumerate(self._replica_devices):
-            cells = []
-            for i, (cp, device) in enumerate(zip(cell_params, row)):
+            cells, runners = [], []
+            for i, cp in enumerate(cell_params):
                 name = f'cell{i}' if r == 0 else f'replica{r}_cell{i}'
+                device = row[i % k]
                 with tf.device(device):
                     cells.append(self.CreateChild(name, cp))
+                runners.append(CellRunner(cells[-1], device, i, p.jit_compile))
             self._replica_cells.append(cells)
-            self._runners.append(
-                [CellRunner(c, d, i, p.jit_compile) for i, (c, d) in enumerate(zip(cells, row))]
-            )
+            self._runners.append(runners)
         self._cells = self._replica_cells[0]
         for cells in self._replica_cells[1:]:
             for src, dst in zip(self._cells, cells):
                 for a, b in zip(src.variables, dst.variables):
                     b.assign(a)
+        self._replica_variables = [
+            [v for c in cells for v in c.trainable_variables] for cells in self._replica_cells
+        ]
         with tf.device(self._devices[0]):
             self.CreateVariable(
                 'step', [], init=base_layer.WeightInit.Constant(0), dtype=tf.int64, trainable=False
@@ -131,9 +167,10 @@ class PipelinedLayer(base_layer.BaseLayer):
             splits = partition.check_splits(list(p.splits), len(sub))
         else:
             # Before costing: partition_by='time' would run every layer first.
-            partition.check_num_partitions(p.num_partitions, len(sub))
+            num_cells = p.num_partitions * p.virtual_stages
+            partition.check_num_partitions(num_cells, len(sub))
             costs = partition.layer_costs(sub, p.partition_by, p.input_shape, p.input_dtype)
-            splits = partition.balance(costs, p.num_partitions)
+            splits = partition.balance(costs, num_cells)
         cells = [
             SequentialLayer.Params().Set(name=f'cell{i}', sub=[q.Copy() for q in sub[a:b]])
             for i, (a, b) in enumerate(partition.blocks(splits))
@@ -156,6 +193,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         return list(self._devices)
 
     @property
+    def cell_devices(self):
+        """Replica 0's device of every cell (cell c on device c mod K)."""
+        return [r.device for r in self._runners[0]]
+
+    @property
     def replica_devices(self):
         """R lists of K devices."""
         return [list(row) for row in self._replica_devices]
@@ -173,10 +215,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         """The cells as a table: layers, params, flops, activation bytes, device."""
         p = self.params
         if self._sub is not None:
-            return partition.partition_table(self._sub, self._splits, self._devices, p.input_shape)
+            return partition.partition_table(
+                self._sub, self._splits, self.cell_devices, p.input_shape
+            )
         sub = [c.params for c in self._cells]
         return partition.partition_table(
-            sub, list(range(1, len(sub) + 1)), self._devices, p.input_shape
+            sub, list(range(1, len(sub) + 1)), self.cell_devices, p.input_shape
         )
 
     # ---- running -----------------------------------------------------------------------------
@@ -190,39 +234,84 @@ class PipelinedLayer(base_layer.BaseLayer):
         with tf.device(self._devices[0]):
             return self.vars.step.assign_add(1) - 1
 
+    def Schedule(self, num_micro_batches=None):
+        """The schedule (schedules.Schedule) one replica runs for M micro-batches."""
+        p = self.params
+        m = num_micro_batches or p.num_micro_batches
+        if m not in self._cache.schedules:
+            self._cache.schedules[m] = schedules.build(
+                p.schedule, len(self._devices), m, p.virtual_stages
+            )
+        return self._cache.schedules[m]
+
+    def _Shards(self, structure, first):
+        """Per replica, its micro-batches of `structure`, split on each replica's first (or
+        last) stage."""
+        p = self.params
+        devices = [row[0] if first else row[-1] for row in self._replica_devices]
+        return replication.shard(
+            structure, self.num_replicas, p.num_micro_batches, p.batch_dim, devices
+        )
+
+    def _Executor(self, r, num_micro_batches, step, sums, input_grads, head=None):
+        runners = list(self._runners[r])
+        if head is not None:
+            runners[-1] = runners[-1].WithHead(head)
+        sched = self.Schedule(num_micro_batches)
+        if head is None and sched.name != 'gpipe':
+            raise ValueError(sched.name)
+        return executor.Executor(
+            runners,
+            sched,
+            self.params.recompute,
+            step,
+            r * self.params.num_micro_batches,
+            sums,
+            input_grads,
+        )
+
     def FProp(self, *inputs):
+        """Eval: the pipelined forward. Training: fill-drain as one differentiable op (under a
+        tape, the backward runs when the caller asks for gradients); other schedules need the
+        loss inside the pipeline: use ComputeGradients."""
         p = self.params
         ctx = fprop_context.current()
         step = self._Step()
-        r_count, m_count = self.num_replicas, p.num_micro_batches
-        microbatch.check_divisible(inputs, r_count * m_count, p.batch_dim)
         if not ctx.training:
-            outs = [
-                self._Eval(runners, micro, step)
-                for runners, micro in zip(self._runners, self._MicroBatches(inputs))
-            ]
-            with tf.device(self._devices[-1]):
-                return self._Unpack(microbatch.merge(outs, p.batch_dim))
+            return self._Eval(inputs, step)
+        if p.schedule != 'gpipe':
+            raise ValueError(
+                f"{p.name}: schedule={p.schedule!r} starts each micro-batch's backward before "
+                'the last forward, so it needs the loss inside the pipeline: use '
+                'loss, grads = pipe.ComputeGradients(inputs, targets, loss_fn). A training '
+                "FProp under a tape runs schedule='gpipe' only."
+            )
         flat_inputs = tf.nest.flatten(inputs)
         out_structure = []
 
         @tf.custom_gradient
         def pipeline(*flat):
-            replica_micro = self._MicroBatches(tf.nest.pack_sequence_as(inputs, list(flat)))
-            replica_outs, saved = [], []
-            for runners, micro in zip(self._runners, replica_micro):
-                outputs, state = self._ForwardWave(runners, micro, step)
-                with tf.device(runners[-1].device):
-                    replica_outs.append(microbatch.merge(outputs, p.batch_dim))
-                saved.append(state)
+            shards = self._Shards(tf.nest.pack_sequence_as(inputs, list(flat)), first=True)
+            runs, outs = [], []
+            for r, micro in enumerate(shards):
+                if not micro:
+                    continue
+                run = self._Executor(
+                    r, len(micro), step, ownership.GradientSums(), input_grads=True
+                )
+                run.Feed(micro)
+                run.Run([a for a in self._Order(run.sched) if a.phase == schedules.FORWARD])
+                runs.append(run)
+                with tf.device(self._replica_devices[r][-1]):
+                    outs.append(
+                        microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
+                    )
             with tf.device(self._devices[-1]):
-                merged = microbatch.merge(replica_outs, p.batch_dim)
+                merged = microbatch.merge(outs, p.batch_dim)
             out_structure.append(merged)
 
             def grad(*dys, variables=None):
-                d_flat, var_grads = self._Backward(saved, replica_outs, merged, dys, step, flat)
-                by_ref = {v.ref(): g for v, g in var_grads}
-                return d_flat, [by_ref.get(v.ref()) for v in variables or []]
+                return self._FPropBackward(runs, merged, dys, flat, variables or [])
 
             return tf.nest.flatten(merged), grad
 
@@ -231,157 +320,135 @@ class PipelinedLayer(base_layer.BaseLayer):
         # (on a TF cluster the client, which would pull the whole batch through it).
         with tf.device(self._devices[-1]):
             flat_out = pipeline(*flat_inputs)
-        return self._Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
+        return _Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
 
-    def _MicroBatches(self, inputs):
-        """[per replica: [per micro-batch: inputs]], split on each replica's first stage.
+    def _Order(self, sched):
+        if sched not in self._cache.orders:
+            self._cache.orders[sched] = schedules.execution_order(sched)
+        return self._cache.orders[sched]
 
-        Every split is placed: on a TF cluster an unplaced one runs on the client, and the
-        batch would travel there and back before the first cell could start.
-        """
-        p = self.params
-        with tf.device(self._devices[0]):
-            shards = microbatch.split(inputs, self.num_replicas, p.batch_dim)
-        out = []
-        for runners, shard in zip(self._runners, shards):
-            with tf.device(runners[0].device):
-                out.append(microbatch.split(shard, p.num_micro_batches, p.batch_dim))
-        return out
-
-    def _Backward(self, saved, replica_outs, merged, dys, step, flat_inputs):
-        """Backward waves of every replica, then the replicas' gradients summed per stage."""
+    def _FPropBackward(self, runs, merged, dys, flat_inputs, variables):
+        """fill-drain's backward actions from the caller's output gradients."""
         p = self.params
         with tf.device(self._devices[-1]):
             dys = [
                 tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
                 for y, dy in zip(tf.nest.flatten(merged), dys)
             ]
-            d_shards = microbatch.split(
-                tf.nest.pack_sequence_as(merged, dys), self.num_replicas, p.batch_dim
-            )
-        d_inputs, sums = [], []
-        for runners, state, out, d_out in zip(self._runners, saved, replica_outs, d_shards):
-            d_in, var_sums = self._BackwardWave(runners, state, out, d_out, step)
-            d_inputs.append(d_in)
-            sums.append(var_sums)
+            d_merged = tf.nest.pack_sequence_as(merged, dys)
+        d_shards = self._Shards(d_merged, first=False)
+        d_inputs = []
+        for run, d_micro in zip(runs, [d for d in d_shards if d]):
+            run.FeedOutputGrads([_AsTuple(d) for d in d_micro])
+            run.Run([a for a in self._Order(run.sched) if a.phase != schedules.FORWARD])
+            with tf.device(run.runners[0].device):
+                d_inputs.append(
+                    microbatch.merge([run.d_inputs[m] for m in range(len(d_micro))], p.batch_dim)
+                )
         with tf.device(self._devices[0]):
-            d_merged = microbatch.merge(d_inputs, p.batch_dim)
-        d_flat = [
-            g if x.dtype.is_floating else None
-            for x, g in zip(flat_inputs, tf.nest.flatten(d_merged))
-        ]
-        var_grads = []
-        for k in range(self.num_cells):
-            per_replica = [s[k] for s in sums]
-            if len(per_replica) > 1:
-                # All-reduce: sum on replica 0's stage-k device, a copy to each replica's device.
-                with tf.device(self._devices[k]):
-                    totals = [tf.add_n(list(gs)) for gs in zip(*per_replica)]
-                per_replica = []
-                for runners in self._runners:
-                    with tf.device(runners[k].device):
-                        per_replica.append([tf.identity(t) for t in totals])
-            for runners, grads in zip(self._runners, per_replica):
-                var_grads.extend(zip(runners[k].variables, grads))
-        return d_flat, var_grads
+            d_flat = tf.nest.flatten(microbatch.merge(d_inputs, p.batch_dim))
+        d_flat = [g if x.dtype.is_floating else None for x, g in zip(flat_inputs, d_flat)]
+        return d_flat, self._VariableGrads([run.sums for run in runs], variables)
 
-    @staticmethod
-    def _Unpack(outputs):
-        return outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
+    def _VariableGrads(self, sums, variables, scale=None):
+        """Gradients lined up with `variables`: replica copies all-reduced, others summed."""
+        replica_vars = self._replica_variables
+        summed = replication.sum_over_replicas(_Pad(sums, self.num_replicas), replica_vars, scale)
+        by_ref = {}
+        for vs, gs in zip(replica_vars, summed):
+            by_ref.update({v.ref(): g for v, g in zip(vs, gs)})
+        out = []
+        for v in variables:
+            if v.ref() in by_ref:
+                out.append(by_ref[v.ref()])
+            else:  # read by a cell, owned by no cell: summed where it lives
+                out.append(ownership.add([s.Total(v, scale) for s in sums], v.device))
+        return out
 
-    def _Policy(self, m):
-        """True when micro-batch m is recomputed in the backward pass."""
-        policy = self.params.recompute
-        last = m == self.params.num_micro_batches - 1
-        return policy == 'always' or (policy == 'except_last' and not last)
+    def ComputeGradients(self, inputs, targets, loss_fn, return_outputs=False):
+        """(loss, grads[, outputs]) of one training step, under this pipeline's schedule.
 
-    def _ForwardWave(self, runners, micro_inputs, step):
-        """One replica's forward schedule: (outputs per micro-batch, what backward needs)."""
-        k_cells, m_count = self.num_cells, self.params.num_micro_batches
-        acts = {(0, m): micro_inputs[m] for m in range(m_count)}  # (cell, m) -> cell input
-        kept = {}
-        last_op = [None] * k_cells  # Each device runs its actions in schedule order.
-        for action in schedule.forward_schedule(k_cells, m_count):
-            k, m = action.stage, action.micro_batch
-            runner = runners[k]
-            with tf.device(runner.device):
-                x = _ordered(acts[(k, m)], last_op[k])
-                mb = tf.constant(m, tf.int64)
-                t0 = trace.start(x)
-                if self._Policy(m):
-                    with _stop_recording():
-                        y = runner.Forward(x, step, mb)
-                else:
-                    y, kept[(k, m)] = runner.ForwardKeep(x, step, mb)
-                trace.end(t0, schedule.FORWARD, k, m, y)
-            last_op[k] = y
-            acts[(k + 1, m)] = y
-        outputs = [self._Unpack(acts[(k_cells, m)]) for m in range(m_count)]
-        return outputs, (acts, kept, last_op)
+        `loss_fn(outputs, targets)` is called on the last stage, once per micro-batch, as soon
+        as that micro-batch's forward is done; it returns the micro-batch's mean loss, or (mean,
+        weight) when its mean is over something else than examples (e.g. tokens). `loss` is the
+        weighted mean over micro-batches (= the full batch's mean loss) and `grads` its
+        gradients, lined up with `self.trainable_variables`. `inputs` and `targets` (any nested
+        structure) are split into micro-batches alike. With return_outputs, the last stage's
+        outputs of the whole batch come third.
+        """
+        step = self._Step()
+        inputs = _AsTuple(inputs)
+        in_shards = self._Shards(inputs, first=True)
+        tgt_shards = self._Shards(targets, first=False) if targets is not None else None
+        head = recompute.LossHead(loss_fn, self.params.batch_dim)
+        runs = []
+        for r, micro in enumerate(in_shards):
+            if not micro:
+                continue
+            sums = ownership.GradientSums()
+            run = self._Executor(r, len(micro), step, sums, input_grads=False, head=head)
+            run.Feed(micro, tgt_shards[r] if tgt_shards is not None else [None] * len(micro))
+            run.Run(self._Order(run.sched))
+            runs.append(run)
+        with tf.device(self._devices[-1]):
+            weighted = [w for run in runs for w, _ in run.losses.values()]
+            weights = [n for run in runs for _, n in run.losses.values()]
+            total_weight = tf.add_n(weights)
+            loss = tf.add_n(weighted) / total_weight
+            scale = 1.0 / total_weight
+        variables = self.trainable_variables
+        self._CheckOwned([run.sums for run in runs], variables)
+        grads = self._VariableGrads([run.sums for run in runs], variables, scale)
+        if not return_outputs:
+            return loss, grads
+        merged = []
+        for run, micro in zip(runs, [m for m in in_shards if m]):
+            with tf.device(run.runners[-1].device):
+                merged.append(
+                    microbatch.merge(
+                        [run.outputs[m] for m in range(len(micro))], self.params.batch_dim
+                    )
+                )
+        with tf.device(self._devices[-1]):
+            outputs = _Unpack(microbatch.merge(merged, self.params.batch_dim))
+        return loss, grads, outputs
 
-    def _BackwardWave(self, runners, saved, outputs, d_outputs, step):
-        """One replica's backward schedule: (d_inputs, per-cell sums of d_variables)."""
+    def _CheckOwned(self, sums, variables):
+        known = {v.ref() for v in variables}
+        for s in sums:
+            for v in s.variables:
+                if v.ref() not in known:
+                    raise ValueError(
+                        f'{self.params.name}: a cell reads the trainable variable {v.name!r}, '
+                        'which no cell of this pipeline owns, so ComputeGradients (whose grads '
+                        'line up with pipe.trainable_variables) would drop its gradient. Create '
+                        'it in a layer of the pipeline (a tied weight: in the layer that owns '
+                        'it), or compute with FProp under a tape.'
+                    )
+
+    def _Eval(self, inputs, step):
+        """Forward only, no tapes, still one device after another in wave order."""
         p = self.params
-        acts, kept, last_op = saved
-        k_cells, m_count = self.num_cells, p.num_micro_batches
-        with tf.device(runners[-1].device):
-            d_out = microbatch.split(d_outputs, m_count, p.batch_dim)
-        grads = {(k_cells, m): _as_tuple(d_out[m]) for m in range(m_count)}
-        var_sums = [None] * k_cells
-        for action in schedule.backward_schedule(k_cells, m_count):
-            k, m = action.stage, action.micro_batch
-            runner, x = runners[k], acts[(k, m)]
-            with tf.device(runner.device):
-                dy = _ordered(grads.pop((k + 1, m)), last_op[k])
-                t0 = trace.start(dy)
-                if (k, m) in kept:
-                    d_x, d_vars = runner.BackwardKept(kept.pop((k, m)), dy)
-                else:
-                    d_x, d_vars = runner.Backward(x, dy, step, tf.constant(m, tf.int64))
-                trace.end(t0, schedule.BACKWARD, k, m, (d_x, d_vars))
-                # Accumulate d_variables over micro-batches on the cell's device.
-                if var_sums[k] is None:
-                    var_sums[k] = list(d_vars)
-                else:
-                    var_sums[k] = [a + b for a, b in zip(var_sums[k], d_vars)]
-            last_op[k] = d_x + var_sums[k] if (d_x or var_sums[k]) else last_op[k]
-            grads[(k, m)] = _pack_float_grads(x, d_x)
-        with tf.device(runners[0].device):
-            d_inputs = microbatch.merge([grads[(0, m)] for m in range(m_count)], p.batch_dim)
-        return d_inputs, var_sums
-
-    def _Eval(self, runners, micro_inputs, step):
-        """Forward only, no tapes, still one device after another in schedule order."""
-        k_cells, m_count = self.num_cells, self.params.num_micro_batches
-        acts = {(0, m): micro_inputs[m] for m in range(m_count)}
-        last_op = [None] * k_cells
-        for action in schedule.forward_schedule(k_cells, m_count):
-            k, m = action.stage, action.micro_batch
-            runner = runners[k]
-            with tf.device(runner.device):
-                x = _ordered(acts[(k, m)], last_op[k])
-                y = runner.Forward(x, step, tf.constant(m, tf.int64), training=False)
-            last_op[k] = acts[(k + 1, m)] = y
-        with tf.device(runners[-1].device):
-            return microbatch.merge(
-                [acts[(k_cells, m)] for m in range(m_count)], self.params.batch_dim
+        outs = []
+        for r, micro in enumerate(self._Shards(inputs, first=True)):
+            if not micro:
+                continue
+            sched = self.Schedule(len(micro))
+            run = executor.Executor(
+                self._runners[r], sched, 'always', step, r * p.num_micro_batches, None, False
             )
+            run.Feed(micro)
+            run.Evaluate(executor.eval_order(sched.num_stages, len(micro)))
+            with tf.device(self._replica_devices[r][-1]):
+                outs.append(
+                    microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
+                )
+        with tf.device(self._devices[-1]):
+            return _Unpack(microbatch.merge(outs, p.batch_dim))
 
     def PostTrainingStepUpdate(self):
         """Replicas first pool their batch-norm sums, so every copy moves with the global batch."""
-        if self.num_replicas > 1:
-            groups = zip(
-                *[
-                    [layer for c in cells for layer in c.AllLayers()]
-                    for cells in self._replica_cells
-                ]
-            )
-            for group in groups:
-                if isinstance(group[0], BatchNormLayer):
-                    for name in ('acc_count', 'acc_sum', 'acc_sum_sq'):
-                        total = tf.add_n([layer.vars[name].read_value() for layer in group])
-                        for layer in group:
-                            layer.vars[name].assign(total)
+        replication.pool_batch_norm_sums(self._replica_cells)
         super().PostTrainingStepUpdate()
 
     @classmethod
@@ -390,29 +457,14 @@ class PipelinedLayer(base_layer.BaseLayer):
         return chain_meta(cells, input_shapes)
 
 
-def _as_tuple(x):
+def _AsTuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def _pack_float_grads(inputs, float_grads):
-    """The structure of `inputs` with gradients at float leaves and None elsewhere."""
-    it = iter(float_grads)
-    leaves = [
-        next(it) if isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating else None
-        for x in tf.nest.flatten(inputs)
-    ]
-    return tf.nest.pack_sequence_as(inputs, leaves)
+def _Unpack(outputs):
+    return outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
 
 
-def _ordered(structure, previous):
-    """`structure` passed through identities that wait for the device's previous action.
-
-    TF attaches no control inputs to function-call ops created under tf.control_dependencies,
-    so the order is imposed on the call's inputs instead: the call cannot start before its
-    inputs exist, and they exist only after the previous action on this device finished.
-    """
-    if previous is None or tf.executing_eagerly():
-        return structure
-    deps = [t for t in tf.nest.flatten(previous) if isinstance(t, tf.Tensor)]
-    with tf.control_dependencies(deps):
-        return tf.nest.map_structure(lambda t: None if t is None else tf.identity(t), structure)
+def _Pad(sums, count):
+    """GradientSums per replica (replicas without micro-batches contribute nothing)."""
+    return list(sums) + [ownership.GradientSums() for _ in range(count - len(sums))]

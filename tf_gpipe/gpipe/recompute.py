@@ -7,15 +7,21 @@ cell's device:
   with the call;
 - the backward call takes the saved boundary input *and the incoming gradient*, re-runs the
   forward under a tape and returns (d_input, d_variables). Because the incoming gradient is one
-  of its inputs, the executor cannot start a recompute before the backward wave reaches the
-  cell, and no graph rewrite can merge it with the forward call (different op, different
-  inputs) or keep its activations alive past it. This is what bounds the peak memory, with
-  Grappler left on for the rest of the user's program.
+  of its inputs, the executor cannot start a recompute before the backward reaches the cell,
+  and no graph rewrite can merge it with the forward call (different op, different inputs) or
+  keep its activations alive past it. This is what bounds the peak memory, with Grappler left
+  on for the rest of the user's program.
 
-A micro-batch whose activations are kept (recompute='never', and except_last's last one) needs
-no boundary: its forward ops go straight into the step's graph, under the step's tape, where
-TF optimises them with their gradient as in a plain sequence (a call boundary cost AmoebaNet
-13% at K=1, M=1). Only under XLA (jit_compile) or gpipe.trace is it a call too.
+A micro-batch whose activations are kept needs no boundary: its forward ops go straight into
+the step's graph, under a tape of its own, where TF optimises them with their gradient as in a
+plain sequence. Only under XLA (jit_compile) or gpipe.trace is it a call too.
+
+The variables a cell differentiates are the ones its forward *reads* (the tape's watched
+variables), not the ones it owns: a tied softmax in the last cell reads the embedding of the
+first, and both contributions reach the variable (see ownership.py).
+
+The last cell of a `ComputeGradients` pipeline also runs the caller's loss on its outputs: its
+function returns (outputs, weighted loss, weight) and its backward starts from d loss = 1.
 """
 
 import tensorflow as tf
@@ -37,7 +43,8 @@ def _timed():
 
 
 def _stamp_after(structure):
-    with tf.control_dependencies([t for t in tf.nest.flatten(structure) if t is not None]):
+    tensors = [t for t in tf.nest.flatten(structure, expand_composites=True) if t is not None]
+    with tf.control_dependencies(tensors):
         return tf.timestamp()
 
 
@@ -45,96 +52,172 @@ def as_tuple(outputs):
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
 
-class CellRunner:
-    """Runs cell `k` of a pipeline on its device, as forward / recompute-backward calls."""
+class LossHead:
+    """The caller's per-micro-batch loss on the last cell: (weighted loss, weight).
 
-    def __init__(self, cell, device, index, jit_compile=False):
+    `loss_fn(outputs, targets)` returns the micro-batch's mean loss, or (mean, weight) when the
+    mean is over something other than examples (tokens); the weight defaults to the number of
+    examples. The step's loss is sum(weight * mean) / sum(weight).
+    """
+
+    def __init__(self, loss_fn, batch_dim):
+        self.loss_fn = loss_fn
+        self.batch_dim = batch_dim
+
+    def __call__(self, outputs, targets):
+        out = outputs[0] if len(outputs) == 1 else outputs
+        result = self.loss_fn(out, targets)
+        if isinstance(result, tuple | list):
+            if len(result) != 2:
+                raise ValueError(
+                    'loss_fn must return a scalar mean loss or (mean loss, weight); got '
+                    f'{len(result)} values.'
+                )
+            mean, weight = result
+        else:
+            mean, weight = result, None
+        mean = tf.convert_to_tensor(mean)
+        if mean.shape.rank:
+            raise ValueError(
+                f'loss_fn must return a scalar (the micro-batch mean loss), got shape '
+                f'{mean.shape}. Reduce it, e.g. tf.reduce_mean(...).'
+            )
+        mean = tf.cast(mean, tf.float32)
+        if weight is None:
+            first = tf.nest.flatten(out)[0]
+            weight = tf.shape(first)[self.batch_dim]
+        weight = tf.cast(weight, tf.float32)
+        # An empty micro-batch (a batch smaller than M, known only at run time) has a NaN mean
+        # and weight 0: it adds nothing, and no NaN reaches the sum or the gradients.
+        return tf.where(weight > 0, mean * weight, 0.0), weight
+
+
+class CellRunner:
+    """Runs cell `index` of a pipeline on its device, as forward / recompute-backward calls."""
+
+    def __init__(self, cell, device, index, jit_compile=False, head=None):
         self.cell = cell
         self.device = device
         self.index = index
-        self._variables = None
+        self.head = head  # LossHead on the last cell of a ComputeGradients pipeline
+        self._read = []  # variables the forward reads, append-only (see _NoteRead)
         self._jit = bool(jit_compile)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
         self._forward = tf.function(self._Forward, **options)
         self._backward = tf.function(self._Backward, **options)
 
-    @property
-    def variables(self):
-        """The cell's trainable variables, in a fixed order."""
-        if self._variables is None:
-            self._variables = list(self.cell.trainable_variables)
-        return self._variables
+    def WithHead(self, head):
+        """A runner of the same cell whose function ends with the loss `head`."""
+        return CellRunner(self.cell, self.device, self.index, self._jit, head)
 
-    def _Run(self, inputs):
+    @property
+    def read_variables(self):
+        """Trainable variables the cell's forward was seen to read (its own and others')."""
+        return list(self._read)
+
+    def _NoteRead(self, watched):
+        known = {v.ref() for v in self._read}
+        for v in watched:
+            if v.ref() not in known:
+                self._read.append(v)
+                known.add(v.ref())
+        return list(self._read)
+
+    def _Run(self, inputs, targets):
         try:
-            return as_tuple(self.cell.FProp(*inputs))
+            outputs = as_tuple(self.cell.FProp(*inputs))
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             structure = tf.nest.map_structure(lambda t: getattr(t, 'shape', t), inputs)
             raise type(e)(
                 f'Cell {self.index} ({self.cell.layer_name}) cannot take its input {structure}: {e}'
             ) from e
+        if self.head is None:
+            return outputs
+        return (outputs,) + self.head(outputs, targets)
 
-    def _Forward(self, inputs, step, micro_batch, training, recompute, timed=False):
-        with (
-            tf.device(self.device),
-            fprop_context.scope(
-                training=training, step=step, seed_offset=micro_batch, recompute=recompute
-            ),
-        ):
+    def _Scope(self, step, micro_batch, training=True, recompute=False):
+        return fprop_context.scope(
+            training=training, step=step, seed_offset=micro_batch, recompute=recompute
+        )
+
+    def _Forward(self, inputs, targets, step, micro_batch, training, timed=False):
+        with tf.device(self.device), self._Scope(step, micro_batch, training):
             # Timed (gpipe.trace): the call's first op stamps when the call really began.
             start = tf.timestamp() if timed else None
-            outputs = self._Run(inputs)
+            outputs = self._Run(inputs, targets)
             return (outputs, start, _stamp_after(outputs)) if timed else outputs
 
-    def _Backward(self, inputs, output_grads, step, micro_batch, timed=False):
-        with (
-            tf.device(self.device),
-            fprop_context.scope(training=True, step=step, seed_offset=micro_batch, recompute=True),
-        ):
+    def _Backward(self, inputs, targets, output_grads, step, micro_batch, want, timed=False):
+        """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W)."""
+        with tf.device(self.device), self._Scope(step, micro_batch, recompute=True):
             start = tf.timestamp() if timed else None
             with tf.GradientTape() as tape:
                 sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
                 tape.watch(sources)
-                outputs = self._Run(inputs)
-            grads = self._Gradients(tape, sources, outputs, output_grads)
+                outputs = self._Run(inputs, targets)
+            variables = self._NoteRead(tape.watched_variables())
+            grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (grads, start, _stamp_after(grads)) if timed else grads
 
-    def _Gradients(self, tape, sources, outputs, output_grads):
-        targets, grads = [], []
+    @staticmethod
+    def _Gradients(tape, sources, outputs, output_grads, variables, want):
+        ys, dys = [], []
         for y, dy in zip(tf.nest.flatten(outputs), tf.nest.flatten(output_grads)):
             if _is_float(y) and dy is not None:
-                targets.append(y)
-                grads.append(tf.cast(dy, y.dtype))
-        all_grads = tape.gradient(
-            targets,
-            sources + self.variables,
-            output_gradients=grads,
+                ys.append(y)
+                dys.append(tf.cast(dy, y.dtype))
+        sources = sources if want in ('all', 'inputs') else []
+        variables = variables if want in ('all', 'variables') else []
+        if not (sources or variables):
+            return [], []
+        grads = tape.gradient(
+            ys,
+            sources + variables,
+            output_gradients=dys,
             unconnected_gradients=tf.UnconnectedGradients.ZERO,
         )
-        all_grads = [tf.convert_to_tensor(g) for g in all_grads]  # IndexedSlices -> dense
-        return all_grads[: len(sources)], all_grads[len(sources) :]
+        d_sources = [tf.convert_to_tensor(g) for g in grads[: len(sources)]]
+        return d_sources, list(grads[len(sources) :])
 
-    def Forward(self, inputs, step, micro_batch, training=True, recompute=False):
-        """The cell's outputs (a tuple) for one micro-batch; no activations are kept."""
-        return self._Timed(self._forward(inputs, step, micro_batch, training, recompute, _timed()))
+    # ---- what the executor calls -------------------------------------------------------------
 
-    def ForwardKeep(self, inputs, step, micro_batch):
-        """Forward whose activations are kept on a tape for `BackwardKept` (no recompute)."""
-        tape = tf.GradientTape()
+    def Forward(self, inputs, targets, step, micro_batch, training=True):
+        """The cell's outputs for one micro-batch; no activations are kept."""
+        result = self._forward(inputs, targets, step, micro_batch, training, _timed())
+        return self._Timed(result)
+
+    def ForwardKeep(self, inputs, targets, step, micro_batch):
+        """Forward whose activations are kept on a tape, for `BackwardKept`."""
+        tape = tf.GradientTape(persistent=True)
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
             if self._jit or tf.executing_eagerly() or _timed():  # timed: a call stamps itself
                 outputs = self._Timed(
-                    self._forward(inputs, step, micro_batch, True, False, _timed())
+                    self._forward(inputs, targets, step, micro_batch, True, _timed())
                 )
             else:
                 # Kept activations need no call boundary: the cell's ops go straight into the
                 # step's graph, where TF optimises forward and backward together (as for the
                 # plain sequence). The inputs already wait for the device's previous action.
-                outputs = self._Forward(inputs, step, micro_batch, True, False)
+                outputs = self._Forward(inputs, targets, step, micro_batch, True)
         return outputs, (tape, sources, outputs)
+
+    def BackwardKept(self, kept, output_grads, want='all'):
+        """(d_float_inputs, [(variable, d_variable)]) from a ForwardKeep's tape."""
+        tape, sources, outputs = kept
+        variables = self._NoteRead(tape.watched_variables())
+        with tf.device(self.device):
+            d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
+        return d_x, list(zip(variables, d_v)) if d_v else []
+
+    def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
+        """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
+        result = self._backward(inputs, targets, output_grads, step, micro_batch, want, _timed())
+        d_x, d_v = self._Timed(result)
+        # A retrace may have found more variables; an older trace returns a prefix of the list.
+        return d_x, list(zip(self._read, d_v))
 
     def _Timed(self, result):
         """Unpacks (result, start, end) of a timed call, handing the stamps to gpipe.trace."""
@@ -143,13 +226,3 @@ class CellRunner:
         result, start, end = result
         trace.note_stamps(start, end)
         return result
-
-    def BackwardKept(self, kept, output_grads):
-        """(d_float_inputs, d_variables) from a ForwardKeep's tape."""
-        tape, sources, outputs = kept
-        with tf.device(self.device):
-            return self._Gradients(tape, sources, outputs, output_grads)
-
-    def Backward(self, inputs, output_grads, step, micro_batch):
-        """(d_float_inputs, d_variables) by recomputing the forward from the boundary input."""
-        return self._Timed(self._backward(inputs, output_grads, step, micro_batch, _timed()))

@@ -48,8 +48,13 @@ class GPipeModel(keras.Model):
       num_partitions: K, balanced automatically by `partition_by`. None (and no `balance`): one
         partition per device of `devices` or of the current device mesh.
       balance: explicit layers per partition, e.g. [3, 3, 2, 2] (overrides num_partitions).
-      num_micro_batches: M; every batch size (fit, evaluate, predict) must be a multiple of M.
+      num_micro_batches: M; any batch size works (min(M, N) micro-batches whose sizes differ by
+        at most one), the last partial batch of an epoch and a small predict() included.
       recompute: 'always' | 'except_last' | 'never' (see PipelinedLayer).
+      schedule: 'gpipe' | '1f1b' | 'interleaved_1f1b' | 'zero_bubble'. Other than 'gpipe',
+        fit() computes the compiled loss per micro-batch on the last stage (its mean over each
+        micro-batch, weighted by size: the plain loss for 'sum_over_batch_size' reductions).
+      virtual_stages: v for 'interleaved_1f1b' (K*v partitions, partition c on device c mod K).
       devices: K device names (None: the current mesh, see tf_gpipe.cluster).
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
@@ -64,6 +69,8 @@ class GPipeModel(keras.Model):
         balance=None,
         num_micro_batches=1,
         recompute='except_last',
+        schedule='gpipe',
+        virtual_stages=1,
         devices=None,
         partition_by='flops',
         jit_compile=False,
@@ -104,6 +111,8 @@ class GPipeModel(keras.Model):
             input_dtype=tf.as_dtype(dtype),
             num_micro_batches=num_micro_batches,
             recompute=recompute,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
             devices=devices,
             jit_compile=jit_compile,
         )
@@ -117,14 +126,28 @@ class GPipeModel(keras.Model):
             for layer in cell.AllLayers()
             if isinstance(layer, KerasLayer)
         ]
-        for original, clone in zip(originals, clones):
+        wrappers = [
+            layer
+            for cell in pipe.cells
+            for layer in cell.AllLayers()
+            if isinstance(layer, KerasLayer)
+        ]
+        first_use = {}
+        for i, (original, wrapper) in enumerate(zip(originals, wrappers)):
+            if id(original) in first_use:  # a layer used twice: one set of weights
+                wrapper.ShareFrom(wrappers[first_use[id(original)]])
+                clones[i] = wrapper.keras_layer
+                continue
+            first_use[id(original)] = i
             if original.built and original.weights:
-                clone.set_weights(original.get_weights())
+                clones[i].set_weights(original.get_weights())
         self.partition_layers = clones
         self._out_spec = out_spec
         self._options = dict(
             num_micro_batches=num_micro_batches,
             recompute=recompute,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
             devices=devices,
             partition_by=partition_by,
             jit_compile=jit_compile,
@@ -172,7 +195,7 @@ class GPipeModel(keras.Model):
             )
         training = bool(training)
         step = 0
-        if training and self.optimizer is not None:
+        if training and getattr(self, 'optimizer', None) is not None:
             step = tf.convert_to_tensor(self.optimizer.iterations)  # Dropout masks depend on it.
         with fprop_context.scope(training=training, step=step):
             return self._pipe.FProp(inputs)
@@ -182,6 +205,8 @@ class GPipeModel(keras.Model):
         return keras.KerasTensor(shape, dtype=self._out_spec.dtype)
 
     def train_step(self, data):
+        if self._options['schedule'] != 'gpipe':
+            return self._ScheduledTrainStep(data)
         # Loss, metrics and the start of the backward pass on the last stage, where the output
         # is (unplaced, they would run on a TF cluster's client); updates stay with their
         # variables (Keras colocates them).
@@ -190,6 +215,38 @@ class GPipeModel(keras.Model):
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
         self._pipe.PostTrainingStepUpdate()
         return logs
+
+    def _ScheduledTrainStep(self, data):
+        """A training step under a schedule that needs the loss inside the pipeline: the
+        compiled loss per micro-batch on the last stage (`ComputeGradients`), metrics on the
+        merged output, the update as in Keras' own train_step."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        targets = (y,) if sample_weight is None else (y, sample_weight)
+
+        def loss_fn(y_pred, t):
+            loss = self.compute_loss(
+                y=t[0], y_pred=y_pred, sample_weight=t[1] if len(t) > 1 else None
+            )
+            return self.optimizer.scale_loss(loss)
+
+        step = tf.convert_to_tensor(self.optimizer.iterations)
+        with fprop_context.scope(training=True, step=step):
+            loss, grads, y_pred = self._pipe.ComputeGradients(
+                x, targets, loss_fn, return_outputs=True
+            )
+        by_ref = {v.ref(): g for v, g in zip(self._pipe.trainable_variables, grads)}
+        variables = self.trainable_variables
+        self.optimizer.apply_gradients(
+            zip([by_ref.get(_backing(v).ref()) for v in variables], variables)
+        )
+        self._pipe.PostTrainingStepUpdate()
+        with tf.device(self._pipe.devices[-1]):
+            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+                loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
+            for metric in self.metrics:  # Keras' loss tracker, by its public name
+                if metric.name == 'loss':
+                    metric.update_state(loss, sample_weight=tf.shape(x)[0])
+            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
         with tf.device(self._pipe.devices[-1]):
@@ -212,40 +269,6 @@ class GPipeModel(keras.Model):
     def compile_from_config(self, config):
         """Compiles a loaded model as it was saved (Keras skips custom compile methods)."""
         self.compile(**keras.saving.deserialize_keras_object(config))
-
-    def fit(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_arrays(x, batch_size, 'fit')
-        validation = kwargs.get('validation_data')
-        if isinstance(validation, tuple):
-            self._check_arrays(
-                validation[0], kwargs.get('validation_batch_size') or batch_size, 'validation'
-            )
-        return super().fit(x, y, batch_size, *args, **kwargs)
-
-    def evaluate(self, x=None, y=None, batch_size=None, *args, **kwargs):
-        self._check_arrays(x, batch_size, 'evaluate')
-        return super().evaluate(x, y, batch_size, *args, **kwargs)
-
-    def predict(self, x, batch_size=None, *args, **kwargs):
-        self._check_arrays(x, batch_size, 'predict')
-        return super().predict(x, batch_size, *args, **kwargs)
-
-    def _check_arrays(self, x, batch_size, what):
-        """Array inputs: every batch Keras will cut, the last one too, must split into M."""
-        if not isinstance(x, np.ndarray | tf.Tensor):
-            return
-        m = self.num_micro_batches
-        n = int(x.shape[0])
-        size = batch_size or 32
-        sizes = {min(size, n)} | ({n % size} if n % size else set())
-        bad = sorted(s for s in sizes if s % m)
-        if bad:
-            raise ValueError(
-                f'{what}: {n} examples in batches of {size} give a batch of {bad[0]}, which '
-                f'{m} micro-batches do not divide. Use a batch_size that is a multiple of '
-                f'num_micro_batches={m} and a number of examples that is a multiple of the '
-                'batch size (or a tf.data dataset batched with drop_remainder=True).'
-            )
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -271,6 +294,13 @@ class GPipeModel(keras.Model):
 
 
 # ---- helpers ---------------------------------------------------------------------------------
+
+
+def _backing(variable):
+    """The tf.Variable behind a Keras variable (the one the pipeline's tapes see)."""
+    return (
+        getattr(variable, 'value', variable) if not isinstance(variable, tf.Variable) else variable
+    )
 
 
 def _check_sequential(model):

@@ -80,12 +80,30 @@ class KerasLayer(base_layer.BaseLayer):
     def keras_layer(self):
         return self._layer
 
+    def ShareFrom(self, other):
+        """Runs `other`'s Keras layer (its weights) instead of its own: a Keras layer used at
+        several places of a model stays one set of weights, wherever its uses land; each use's
+        gradient reaches it (the pipeline sums every reader's contribution)."""
+        self._layer = other._layer
+        self._takes_training = other._takes_training
+        self._generators, self._batch_norms = other._generators, []  # moved once, by `other`
+        self._vars = dict(other._vars)
+
     def _RegisterVariables(self):
+        # Every distinct variable once, under a unique name: inside a nested model (a Keras
+        # application in a Sequential) many paths end in 'kernel' / 'bias', and a sublayer used
+        # twice lists its weights twice (one variable, one entry).
+        known = {v.ref() for v in self._vars.values()}
         for v in self._layer.weights:
-            name = v.path.split('/', 1)[-1].replace('/', '__') if '/' in v.path else v.name
-            name = base_layer._module_name(name)
-            if name not in self._vars:
-                self._vars[name] = v.value
+            if v.value.ref() in known:
+                continue
+            known.add(v.value.ref())
+            base = v.path.split('/', 1)[-1].replace('/', '__') if '/' in v.path else v.name
+            base = name = base_layer._module_name(base)
+            i = 1
+            while name in self._vars:
+                name, i = f'{base}_{i}', i + 1
+            self._vars[name] = v.value
 
     def FProp(self, *inputs):
         if self.params.autocast:

@@ -13,6 +13,8 @@ def PipelineParams():
     p.Define('num_partitions', 1, 'K: cells, each on its own device.')
     p.Define('num_micro_batches', 1, 'M: micro-batches per batch.')
     p.Define('recompute', 'except_last', "'always', 'except_last' or 'never'.")
+    p.Define('schedule', 'gpipe', "'gpipe', '1f1b', 'interleaved_1f1b' or 'zero_bubble'.")
+    p.Define('virtual_stages', 1, "v: cells per device for 'interleaved_1f1b'.")
     p.Define('partition_by', 'flops', "'flops', 'params', 'activation_bytes', 'uniform', 'time'.")
     p.Define('splits', None, 'Explicit ending layer indices (overrides partition_by).')
     p.Define('num_replicas', 1, 'R: data-parallel replicas of the pipeline.')
@@ -48,6 +50,8 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         num_partitions=pp.num_partitions,
         num_micro_batches=pp.num_micro_batches,
         recompute=pp.recompute,
+        schedule=pp.schedule,
+        virtual_stages=pp.virtual_stages,
         partition_by=pp.partition_by,
         splits=pp.splits,
         num_replicas=pp.num_replicas,
@@ -64,7 +68,10 @@ def TokenXentMetrics(softmax, logits, labels, weights):
 
 
 class BaseTask(base_layer.BaseLayer):
-    """Subclasses build `self.network` (a PipelinedLayer) and define FPropTower(batch)."""
+    """Subclasses build `self.network` (a PipelinedLayer) and say how a batch feeds it:
+    `NetworkInputs(batch)` -> (inputs, targets), `MicroBatchLoss(outputs, targets)` (one
+    micro-batch's mean loss, or (mean, weight)) and `Metrics(outputs, targets)` (the whole
+    batch's NestedMap(loss, metrics))."""
 
     @classmethod
     def Params(cls):
@@ -79,9 +86,42 @@ class BaseTask(base_layer.BaseLayer):
         """The network's input shape for batches of `input_p` (None: unknown)."""
         return None
 
-    def FPropTower(self, batch):
-        """NestedMap(loss=scalar, metrics=NestedMap of scalars, num_examples=int)."""
+    def NetworkInputs(self, batch):
+        """(network inputs, loss targets) of a batch."""
         raise NotImplementedError
+
+    def MicroBatchLoss(self, outputs, targets):
+        """One micro-batch's mean loss, or (mean loss, weight); runs on the last stage."""
+        raise NotImplementedError
+
+    def Metrics(self, outputs, targets):
+        """NestedMap(loss=scalar, metrics=NestedMap of scalars) of the whole batch."""
+        raise NotImplementedError
+
+    def _NumExamples(self, inputs):
+        return tf.shape(tf.nest.flatten(inputs)[0])[0]
+
+    def FPropTower(self, batch):
+        """NestedMap(loss, metrics, num_examples) of a forward pass (eval)."""
+        inputs, targets = self.NetworkInputs(batch)
+        outputs = self.network.FProp(inputs)
+        with tf.device(self.network.devices[-1]):  # loss and metrics on the last stage
+            out = self.Metrics(outputs, targets)
+        out.num_examples = self._NumExamples(inputs)
+        return out
+
+    def ComputeGradients(self, batch):
+        """(NestedMap(loss, metrics, num_examples), grads lined up with the network's
+        trainable variables): one training step of the pipeline under its schedule."""
+        inputs, targets = self.NetworkInputs(batch)
+        loss, grads, outputs = self.network.ComputeGradients(
+            inputs, targets, self.MicroBatchLoss, return_outputs=True
+        )
+        with tf.device(self.network.devices[-1]):
+            out = self.Metrics(tf.stop_gradient(outputs), targets)
+        out.loss = loss
+        out.num_examples = self._NumExamples(inputs)
+        return out, grads
 
     def RegularizedVariables(self):
         """Trainable variables of layers that do not set skip_lp_regularization."""

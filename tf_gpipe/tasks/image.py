@@ -49,19 +49,19 @@ class ImageClassifier(base_task.BaseTask):
             raise ValueError('ImageClassifier: set num_classes.')
         self.CreateChild('network', self.NetworkParams(self.params))
 
-    def FPropTower(self, batch):
+    def NetworkInputs(self, batch):
+        return batch.images, batch.labels
+
+    def MicroBatchLoss(self, logits, labels):
         p = self.params
-        logits = self.network.FProp(batch.images)
-        with tf.device(self.network.devices[-1]):
-            log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
-            targets = tf.one_hot(batch.labels, p.num_classes)
-            if p.label_smoothing:
-                targets = targets * (1 - p.label_smoothing) + p.label_smoothing / p.num_classes
-            loss = tf.reduce_mean(-tf.reduce_sum(targets * log_probs, -1))
-            predicted = tf.argmax(logits, -1, output_type=tf.int32)
-            accuracy = tf.reduce_mean(tf.cast(tf.equal(predicted, batch.labels), tf.float32))
-        return NestedMap(
-            loss=loss,
-            metrics=NestedMap(loss=loss, accuracy=accuracy),
-            num_examples=tf.shape(batch.labels)[0],
-        )
+        log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))
+        targets = tf.one_hot(labels, p.num_classes)
+        if p.label_smoothing:
+            targets = targets * (1 - p.label_smoothing) + p.label_smoothing / p.num_classes
+        return tf.reduce_mean(-tf.reduce_sum(targets * log_probs, -1))
+
+    def Metrics(self, logits, labels):
+        loss = self.MicroBatchLoss(logits, labels)
+        predicted = tf.argmax(logits, -1, output_type=tf.int32)
+        accuracy = tf.reduce_mean(tf.cast(tf.equal(predicted, labels), tf.float32))
+        return NestedMap(loss=loss, metrics=NestedMap(loss=loss, accuracy=accuracy))

@@ -1,7 +1,5 @@
 """Transformer language model: embedding, L Transformer layers, softmax — one pipeline."""
 
-import tensorflow as tf
-
 from tf_gpipe import layers
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.tasks import base_task
@@ -68,12 +66,19 @@ class LanguageModel(base_task.BaseTask):
                 raise ValueError(f'LanguageModel: set {name} (got {p.Get(name)}).')
         self.CreateChild('network', self.NetworkParams(p))
 
-    def FPropTower(self, batch):
-        logits = self.network.FProp(batch.ids)
-        softmax = self.network.cells[-1].sub[-1]
-        with tf.device(self.network.devices[-1]):  # loss and metrics on the last stage
-            xent, accuracy = base_task.TokenXentMetrics(
-                softmax, logits, batch.labels, batch.weights
-            )
-            metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy, log_pplx=xent.avg_xent)
-        return NestedMap(loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.ids)[0])
+    def NetworkInputs(self, batch):
+        return batch.ids, NestedMap(labels=batch.labels, weights=batch.weights)
+
+    def _Softmax(self):
+        return self.network.cells[-1].sub[-1]
+
+    def MicroBatchLoss(self, logits, targets):
+        xent = self._Softmax().XentLoss(logits, targets.labels, targets.weights)
+        return xent.avg_xent, xent.total_weight  # a token mean: weighted by tokens
+
+    def Metrics(self, logits, targets):
+        xent, accuracy = base_task.TokenXentMetrics(
+            self._Softmax(), logits, targets.labels, targets.weights
+        )
+        metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy, log_pplx=xent.avg_xent)
+        return NestedMap(loss=xent.avg_xent, metrics=metrics)

@@ -183,20 +183,26 @@ class TranslationModel(base_task.BaseTask):
                 raise ValueError(f'TranslationModel: set {name} (got {self.params.Get(name)}).')
         self.CreateChild('network', self.NetworkParams(self.params))
 
-    def FPropTower(self, batch):
+    def NetworkInputs(self, batch):
         inputs = NestedMap(
             src_ids=batch.src_ids,
             src_paddings=batch.src_paddings,
             tgt_ids=batch.tgt_ids,
             tgt_paddings=batch.tgt_paddings,
         )
-        logits = self.network.FProp(inputs)
-        softmax = self.network.cells[-1].sub[-1].softmax
-        with tf.device(self.network.devices[-1]):
-            xent, accuracy = base_task.TokenXentMetrics(
-                softmax, logits, batch.labels, batch.weights
-            )
-        metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy)
+        return inputs, NestedMap(labels=batch.labels, weights=batch.weights)
+
+    def _Softmax(self):
+        return self.network.cells[-1].sub[-1].softmax
+
+    def MicroBatchLoss(self, logits, targets):
+        xent = self._Softmax().XentLoss(logits, targets.labels, targets.weights)
+        return xent.avg_xent, xent.total_weight  # a token mean: weighted by tokens
+
+    def Metrics(self, logits, targets):
+        xent, accuracy = base_task.TokenXentMetrics(
+            self._Softmax(), logits, targets.labels, targets.weights
+        )
         return NestedMap(
-            loss=xent.avg_xent, metrics=metrics, num_examples=tf.shape(batch.src_ids)[0]
+            loss=xent.avg_xent, metrics=NestedMap(loss=xent.avg_xent, accuracy=accuracy)
         )

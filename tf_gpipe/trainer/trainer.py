@@ -106,12 +106,12 @@ class Trainer:
         step = self.global_step.read_value()
         with tf.name_scope('input'):  # made on the host (the client of a TF cluster)
             batch = self.train_input.GetBatch(step)
-        with fprop_context.scope(step=step, training=True), tf.GradientTape() as tape:
-            out = self.task.FPropTower(batch)
-        # The backward pass starts at the loss, on the last stage (the task computes it there);
-        # the pipeline places the rest of it.
-        with tf.device(self.task.network.devices[-1]):
-            grads = tape.gradient(out.loss, self.variables)
+        # Every schedule: each micro-batch's loss on the last stage, the backward pass started
+        # there as the schedule says; gradients summed on each variable's device.
+        with fprop_context.scope(step=step, training=True):
+            out, network_grads = self.task.ComputeGradients(batch)
+        by_ref = {v.ref(): g for v, g in zip(self.task.network.trainable_variables, network_grads)}
+        grads = [by_ref.get(v.ref()) for v in self.variables]
         # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
         stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
         self.task.PostTrainingStepUpdate()

@@ -1,0 +1,125 @@
+"""Gradient ownership: a variable read by several cells gets the sum of every reader's
+gradient, on its own device; sparse gradients stay sparse; a variable no cell owns is refused
+by ComputeGradients by name and summed under FProp."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gpipe import base_layer, gpipe, layers
+from tf_gpipe.gpipe import ownership
+
+
+class ScaleLayer(base_layer.BaseLayer):
+    """y = x * w; `w` is its own scalar, or another layer's when `tie_to` is set."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.CreateVariable('w', [], init=base_layer.WeightInit.Constant(2.0))
+        self.tied = None
+
+    def FProp(self, x):
+        tied = self.tied() if callable(self.tied) else self.tied
+        return x * (tied if tied is not None else self.vars.w)
+
+    @classmethod
+    def FPropMeta(cls, p, x):
+        return base_layer.Meta(1, base_layer.to_shape(x), 1, 0)
+
+
+def _scale_stack(k, schedule='gpipe', m=2):
+    sub = [ScaleLayer.Params().Set(name=f's{i}') for i in range(4)]
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=sub,
+            num_partitions=k,
+            partition_by='uniform',
+            num_micro_batches=m,
+            schedule=schedule,
+        )
+        .Instantiate()
+    )
+    layers_ = [layer for c in pipe.cells for layer in c.sub]
+    layers_[3].tied = layers_[0].vars.w  # the last layer reads the first layer's scalar
+    return pipe, layers_[0].vars.w
+
+
+@pytest.mark.parametrize('k', [1, 2, 4])
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zero_bubble'])
+def test_a_scalar_read_by_two_cells_gets_both_contributions(k, schedule):
+    # y = x * w^2 * 2 * 2 (w = 2, other scalars 2): d sum(y) / dw = 2 * w * 4 * sum(x) = 48
+    # for sum(x) = 3; an engine that keeps one reader's contribution gives 24.
+    x = tf.constant([[1.0], [2.0]])
+    pipe, w = _scale_stack(k, schedule)
+    if schedule == 'gpipe':
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(pipe.FProp(x))
+        got = tape.gradient(loss, w)
+        np.testing.assert_allclose(got, 48.0)
+    loss, grads = pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y))
+    by_ref = {v.ref(): g for v, g in zip(pipe.trainable_variables, grads)}
+    np.testing.assert_allclose(by_ref[w.ref()], 24.0)  # the mean over 2 examples: 48 / 2
+    np.testing.assert_allclose(loss, 16.0 * 1.5)
+
+
+def test_variable_owned_by_no_cell():
+    outside = tf.Variable(3.0, name='outside')
+    pipe, _ = _scale_stack(2)
+    # Behind a closure, so that tf.Module's attribute walk does not adopt it into the pipeline.
+    [layer for c in pipe.cells for layer in c.sub][2].tied = lambda: outside
+    x = tf.constant([[1.0], [2.0]])
+    with pytest.raises(ValueError, match="reads the trainable variable 'outside:0', which no cell"):
+        pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y))
+    with tf.GradientTape() as tape:  # under FProp its gradient is summed like any other
+        loss = tf.reduce_sum(pipe.FProp(x))
+    np.testing.assert_allclose(tape.gradient(loss, outside), 2 * 2 * 2 * 3.0)
+
+
+def test_sparse_gradients_stay_sparse_and_equal_the_plain_ones():
+    emb = layers.EmbeddingLayer.Params().Set(name='emb', vocab_size=10, embedding_dim=4)
+    fc = layers.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=4)
+    ids = tf.constant([[1, 2], [1, 3], [2, 2], [9, 1]])  # repeated ids, across micro-batches
+    plain = layers.SequentialLayer.Params().Set(name='p', sub=[emb, fc], random_seed=3)
+    plain = plain.Instantiate()
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(name='pipe', sub=[emb, fc], num_partitions=2, partition_by='uniform')
+        .Set(num_micro_batches=4, schedule='1f1b', random_seed=3)
+        .Instantiate()
+    )
+
+    def loss_fn(y, t):
+        return tf.reduce_mean(tf.reduce_sum(y * y, [1, 2]))
+
+    with tf.GradientTape() as tape:
+        want_loss = loss_fn(plain.FProp(ids), None)
+    want = tape.gradient(want_loss, plain.trainable_variables)
+    loss, grads = pipe.ComputeGradients(ids, None, loss_fn)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    names = [v.name for v in pipe.trainable_variables]
+    assert names == [v.name for v in plain.trainable_variables]
+    for name, g, w in zip(names, grads, want):
+        assert isinstance(g, tf.IndexedSlices) == isinstance(w, tf.IndexedSlices), name
+        if isinstance(w, tf.IndexedSlices):  # the same rows, in the same order
+            np.testing.assert_array_equal(g.indices, w.indices)
+            np.testing.assert_allclose(g.values, w.values, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g), tf.convert_to_tensor(w), rtol=1e-5, atol=1e-7
+        )
+
+
+def test_gradient_sums_on_the_variable_device():
+    with tf.device('/device:CPU:1'):
+        v = tf.Variable(tf.zeros([3, 2]))
+    sums = ownership.GradientSums()
+    with tf.device('/device:CPU:0'):
+        sums.Add(v, tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([3, 2])))
+        sums.Add(v, tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([3, 2])))
+    total = sums.Total(v, scale=0.5)
+    assert isinstance(total, tf.IndexedSlices) and total.values.device.endswith('CPU:1')
+    np.testing.assert_allclose(tf.convert_to_tensor(total), [[0, 0], [1, 1], [0, 0]])
+    sums.Add(v, tf.ones([3, 2]))  # a dense contribution makes the sum dense, as in TF
+    np.testing.assert_allclose(sums.Total(v), [[1, 1], [3, 3], [1, 1]])
+    assert sums.Total(tf.Variable(1.0)) is None

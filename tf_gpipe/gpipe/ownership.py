@@ -1,0 +1,89 @@
+"""Gradient ownership: every variable's contributions summed on the variable's own device.
+
+A variable is owned by the cell that created it (it lives on that cell's device), but any cell
+may read it — a softmax tied to the input embedding reads cell 0's matrix from the last cell.
+Each (cell, micro-batch) backward hands in the gradient of every variable it read; they are
+summed here, per variable, where the variable lives. Sparse contributions (`IndexedSlices`,
+from gathers) stay sparse: they are concatenated, as TF's own tape aggregates them, so an
+optimizer sees what it would see for the plain model; a variable with both kinds gets the
+dense sum, as in TF.
+"""
+
+import tensorflow as tf
+
+
+class GradientSums:
+    """Per-variable sums of gradient contributions, each kept on its variable's device."""
+
+    def __init__(self):
+        self._dense = {}
+        self._sparse = {}
+        self._variables = {}
+
+    def __contains__(self, variable):
+        ref = variable.ref()
+        return ref in self._dense or ref in self._sparse
+
+    @property
+    def variables(self):
+        """Every variable that received a contribution, in first-contribution order."""
+        return list(self._variables.values())
+
+    def Add(self, variable, grad):
+        """Adds one contribution (None: the reader did not reach the variable)."""
+        if grad is None:
+            return
+        ref = variable.ref()
+        self._variables.setdefault(ref, variable)
+        with tf.device(variable.device):
+            if isinstance(grad, tf.IndexedSlices):
+                prev = self._sparse.get(ref)
+                self._sparse[ref] = grad if prev is None else _concat(prev, grad)
+            else:
+                prev = self._dense.get(ref)
+                self._dense[ref] = grad if prev is None else prev + grad
+
+    def AddAll(self, pairs):
+        for variable, grad in pairs:
+            self.Add(variable, grad)
+
+    def Total(self, variable, scale=None):
+        """The summed gradient of `variable` (times `scale`), or None if nothing reached it."""
+        ref = variable.ref()
+        dense, sparse = self._dense.get(ref), self._sparse.get(ref)
+        if dense is None and sparse is None:
+            return None
+        with tf.device(variable.device):
+            if dense is not None and sparse is not None:
+                total = dense + tf.convert_to_tensor(sparse)
+            else:
+                total = dense if dense is not None else sparse
+            if scale is None:
+                return total
+            if isinstance(total, tf.IndexedSlices):
+                values = total.values * tf.cast(scale, total.values.dtype)
+                return tf.IndexedSlices(values, total.indices, total.dense_shape)
+            return total * tf.cast(scale, total.dtype)
+
+
+def _concat(a, b):
+    return tf.IndexedSlices(
+        tf.concat([a.values, tf.cast(b.values, a.values.dtype)], 0),
+        tf.concat([a.indices, tf.cast(b.indices, a.indices.dtype)], 0),
+        a.dense_shape,
+    )
+
+
+def add(grads, device):
+    """The sum of several gradients of one variable (None entries skipped) on `device`: sparse
+    ones concatenated, a mix made dense, as TF's tape aggregates; None if all are None."""
+    present = [g for g in grads if g is not None]
+    if len(present) <= 1:
+        return present[0] if present else None
+    with tf.device(device):
+        if all(isinstance(g, tf.IndexedSlices) for g in present):
+            total = present[0]
+            for g in present[1:]:
+                total = _concat(total, g)
+            return total
+        return tf.add_n([tf.convert_to_tensor(g) for g in present])
