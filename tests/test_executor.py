@@ -172,3 +172,42 @@ def test_loss_fn_errors_are_clear():
     pipe = _pipe(MODELS['fc']()[0], 2, 2, 'always', '1f1b')
     with pytest.raises(ValueError, match='must return a scalar'):
         pipe.ComputeGradients(tf.ones([4, 8]), None, lambda y, t: y)
+
+
+class _Stateful(CountingLayer):
+    """Changes a variable in its forward, and does not say that repeating it is harmless."""
+
+    RECOMPUTE_REPEATS_STATE = False
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
+def test_a_layer_that_assigns_in_its_forward_is_refused_under_recompute(schedule):
+    sub = [CountingLayer.Params().Set(name='c0'), _Stateful.Params().Set(name='s1')]
+    x = tf.ones([4, 2])
+
+    def step(pipe):
+        return tf.function(lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y)))()
+
+    with pytest.raises(
+        ValueError, match=r"Layer 's1' \(_Stateful\) assigns its variable 's1/count"
+    ):
+        step(_pipe(sub, 2, 2, 'always', schedule))
+    loss, _ = step(_pipe(sub, 2, 2, 'never', schedule))  # nothing recomputed: fine
+    np.testing.assert_allclose(loss, 1.5 * 1.5)
+
+
+def test_keras_spectral_normalization_is_refused_under_recompute():
+    import keras
+
+    from tf_gpipe import layers
+
+    sn = layers.KerasLayer.Params().Set(
+        name='sn',
+        keras_layer='SpectralNormalization',
+        config=keras.layers.SpectralNormalization(keras.layers.Dense(4)).get_config(),
+        input_shape=(None, 4),
+    )
+    fc = layers.FCLayer.Params().Set(name='fc', input_dim=4, output_dim=4)
+    pipe = _pipe([fc, sn], 2, 2, 'except_last', 'gpipe')
+    with pytest.raises(ValueError, match="Layer 'sn' \\(KerasLayer\\) assigns its variable"):
+        pipe.ComputeGradients(tf.ones([4, 4]), None, lambda y, t: tf.reduce_mean(y))

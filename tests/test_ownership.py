@@ -123,3 +123,71 @@ def test_gradient_sums_on_the_variable_device():
     sums.Add(v, tf.ones([3, 2]))  # a dense contribution makes the sum dense, as in TF
     np.testing.assert_allclose(sums.Total(v), [[1, 1], [3, 3], [1, 1]])
     assert sums.Total(tf.Variable(1.0)) is None
+
+
+def _tied_lm(vocab=16, dim=8):
+    tr = layers.TransformerLayer.Params().Set(
+        input_dim=dim, num_heads=2, hidden_dim=16, causal=True
+    )
+    return [
+        layers.EmbeddingLayer.Params().Set(name='emb', vocab_size=vocab, embedding_dim=dim),
+        layers.PositionalEmbeddingLayer.Params().Set(name='pos', embedding_dim=dim),
+        tr.Copy().Set(name='tr0'),
+        tr.Copy().Set(name='tr1'),
+        layers.LayerNorm.Params().Set(name='ln', input_dim=dim),
+        layers.SoftmaxLayer.Params().Set(
+            name='softmax', input_dim=dim, num_classes=vocab, tied_embedding='emb'
+        ),
+    ]
+
+
+@pytest.mark.parametrize('k', [2, 4])
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zero_bubble'])
+def test_tied_embedding_lm_equals_the_plain_sequence(k, schedule):
+    """The embedding in cell 0, its tied softmax in cell K-1: one variable, the sum of both
+    uses' gradients, equal to the plain sequence's (relative 1e-5)."""
+    ids = tf.random.stateless_uniform([8, 6], [1, 1], 0, 16, tf.int32)
+    labels = tf.random.stateless_uniform([8, 6], [2, 2], 0, 16, tf.int32)
+    plain = layers.SequentialLayer.Params().Set(name='p', sub=_tied_lm(), random_seed=5)
+    plain = plain.Instantiate()
+    assert (
+        len(plain.trainable_variables)
+        == len(plain.sub[0].trainable_variables)
+        + sum(len(x.trainable_variables) for x in plain.sub[1:5])
+        + 1
+    )  # the softmax has only its bias
+
+    def loss_fn(logits, y):
+        return plain.sub[-1].XentLoss(logits, y).avg_xent
+
+    with tf.GradientTape() as tape:
+        want_loss = loss_fn(plain.FProp(ids), labels)
+    want = tape.gradient(want_loss, plain.trainable_variables)
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(name='pipe', sub=_tied_lm(), num_partitions=k, partition_by='uniform')
+        .Set(num_micro_batches=4, schedule=schedule, recompute='except_last', random_seed=5)
+        .Instantiate()
+    )
+    emb = pipe.cells[0].sub[0].vars.emb
+    assert pipe.cells[-1].sub[-1]._Weight is not None and emb.device.endswith('CPU:0')
+    loss, grads = tf.function(lambda: pipe.ComputeGradients(ids, labels, loss_fn))()
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    got = {v.name: tf.convert_to_tensor(g) for v, g in zip(pipe.trainable_variables, grads)}
+    want = {v.name: tf.convert_to_tensor(g) for v, g in zip(plain.trainable_variables, want)}
+    assert sorted(got) == sorted(want) and 'emb/emb:0' in got
+    scale = max(float(np.abs(g).max()) for g in want.values())
+    for name, g in want.items():
+        np.testing.assert_allclose(got[name], g, rtol=1e-5, atol=1e-5 * scale, err_msg=name)
+
+
+def test_tie_errors_name_the_problem():
+    sub = _tied_lm()
+    sub[-1] = sub[-1].Copy().Set(tied_embedding='embedding')
+    seq = layers.SequentialLayer.Params().Set(name='p', sub=sub).Instantiate()
+    with pytest.raises(ValueError, match="ties to the embedding 'embedding', which is not in"):
+        seq.FProp(tf.zeros([2, 6], tf.int32))
+    sub = _tied_lm()
+    sub[-1] = sub[-1].Copy().Set(num_classes=12)
+    with pytest.raises(ValueError, match='cannot tie to .emb. .vocab_size=16'):
+        layers.SequentialLayer.Params().Set(name='p', sub=sub).Instantiate()

@@ -221,6 +221,8 @@ def test_batch_norm_micro_batch_statistics_and_moving_averages():
 class CountingLayer(base_layer.BaseLayer):
     """y = scale * x; counts how often its forward runs (in a variable, so graphs count too)."""
 
+    RECOMPUTE_REPEATS_STATE = True  # counting the recomputes is the point
+
     def __init__(self, params):
         super().__init__(params)
         self.CreateVariable('scale', [], init=base_layer.WeightInit.Constant(1.5))

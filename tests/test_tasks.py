@@ -78,10 +78,14 @@ def _task_gradients(key, overrides, padded):
 )
 def test_every_schedule_gives_the_token_weighted_loss_and_gradients(key):
     """The task's micro-batch loss is a token mean weighted by tokens: every schedule (and an
-    uneven M=5 on 12 examples) gives the full batch's loss and gradients, with padding."""
+    uneven M=5 on 12 examples) gives the full batch's loss and gradients, with padding and a
+    softmax tied to an embedding in another cell."""
     import numpy as np
 
-    base = 'task.pipeline.num_micro_batches=5; task.pipeline.recompute=except_last; '
+    base = (
+        'task.pipeline.num_micro_batches=5; task.pipeline.recompute=except_last; '
+        'task.tie_embedding=True; '  # the softmax reads the first cells' embedding
+    )
     loss, want, tape_grads, names = _task_gradients(
         key, base + 'task.pipeline.schedule=gpipe', True
     )

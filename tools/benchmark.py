@@ -34,6 +34,13 @@ MICRO = flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16', '32'], 'M 
 POLICY = flags.DEFINE_enum(
     'recompute', 'always', ['always', 'except_last', 'never'], 'Policy of the throughput table.'
 )
+SCHEDULE = flags.DEFINE_enum(
+    'schedule',
+    'gpipe',
+    ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'],
+    'Schedule of the K>1 pipelines (K=1 always runs fill-drain: one stage has no bubble).',
+)
+VIRTUAL = flags.DEFINE_integer('virtual_stages', 2, 'v for --schedule=interleaved_1f1b.')
 OVERHEAD_M = flags.DEFINE_integer('overhead_micro_batches', 8, 'M of the overhead rows.')
 STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-ups).')
 OVERHEADS = flags.DEFINE_bool('overheads', True, 'Also measure the overhead rows.')
@@ -78,12 +85,21 @@ def throughput(family, devices, micro_batches, policy, steps):
     rows = []
     for m in micro_batches:
         ks = list(range(1, len(devices) + 1))
-        steps_fns = [
-            train_step(
-                build(sub, shape, devices[:k], m, policy, partition_by=PARTITION_BY.value), x
+        steps_fns = []
+        for k in ks:
+            schedule = SCHEDULE.value if k > 1 else 'gpipe'
+            v = VIRTUAL.value if schedule == 'interleaved_1f1b' else 1
+            model = build(
+                sub,
+                shape,
+                devices[:k],
+                m,
+                policy,
+                partition_by=PARTITION_BY.value,
+                schedule=schedule,
+                virtual_stages=v,
             )
-            for k in ks
-        ]
+            steps_fns.append(train_step(model, x))
         for k, t in zip(ks, median_times(steps_fns, steps)):
             rows.append(
                 dict(num_stages=k, num_micro_batches=m, seconds=t, examples_per_s=c['batch'] / t)
@@ -134,7 +150,8 @@ def _measure_isolated(family, micro, with_overheads):
             '--isolate=false',
             '--json',
         ]
-        for flag in (STAGES, POLICY, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH):
+        flags_ = (STAGES, POLICY, SCHEDULE, VIRTUAL, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH)
+        for flag in flags_:
             args.append(f'--{flag.name}={flag.value}')
         run = subprocess.run(
             [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True
@@ -161,7 +178,7 @@ def measure(family):
         r['normalised'] = r['examples_per_s'] / base['examples_per_s']
         if k > 1:
             r['speedup'] = by[(1, m)]['seconds'] / r['seconds']
-            r['bubble_bound'] = k * m / (m + k - 1)
+            r['bubble_bound'] = _bound(k, m)
             r['efficiency'] = r['speedup'] / r['bubble_bound']
     c = _config(family)
     return dict(
@@ -170,6 +187,8 @@ def measure(family):
         batch_size=c['batch'],
         config=c['overrides'],
         recompute=POLICY.value,
+        schedule=SCHEDULE.value,
+        virtual_stages=VIRTUAL.value if SCHEDULE.value == 'interleaved_1f1b' else 1,
         partition_by=PARTITION_BY.value,
         baseline=base
         and dict(num_stages=base['num_stages'], num_micro_batches=base['num_micro_batches']),
@@ -178,10 +197,22 @@ def measure(family):
     )
 
 
+def _bound(k, m):
+    """Ideal speed-up of the K-stage schedule over K=1 at equal stage costs (unit F, B = 2F,
+    or B = W = F when split): K * (work of one stage) / simulated makespan."""
+    from tf_gpipe.gpipe import schedules
+
+    v = VIRTUAL.value if SCHEDULE.value == 'interleaved_1f1b' else 1
+    sched = schedules.build(SCHEDULE.value, k, m, v)
+    sim = schedules.simulate(sched)
+    return k * sim.busy[0] / sim.makespan
+
+
 def _print(result):
     print(
         f'\n{result["family"]} (knob {result["knob"]}, {result["config"]}), batch '
-        f'{result["batch_size"]}, recompute={result["recompute"]}, '
+        f'{result["batch_size"]}, schedule={result["schedule"]} (v={result["virtual_stages"]}), '
+        f'recompute={result["recompute"]}, '
         f'partition_by={result["partition_by"]}, one single-core worker per stage'
     )
     rows = result['throughput']
@@ -202,7 +233,7 @@ def _print(result):
             )
             print(f'{"K=" + str(k):>8}{cells}')
         for k in ks[1:]:
-            print(f'K={k} vs K=1 at the same M: speed-up / bound K*M/(M+K-1) = efficiency')
+            print(f"K={k} vs K=1 at the same M: speed-up / the schedule's bound = efficiency")
             for m in micro:
                 r = by[(k, m)]
                 print(

@@ -1,10 +1,12 @@
 """Peak memory of one training step: plain sequence vs PipelinedLayer (K=1) per policy.
 
     TF_CPU_ALLOCATOR_USE_BFC=true python tools/peak_memory.py --layers=32 --width=256 \
-        --batch_size=4096 --num_micro_batches=8
+        --batch_size=4096 --num_micro_batches=8 --schedules=gpipe,1f1b
 
-A deep stack of FC layers, a forward + backward step under tf.function; peak bytes above the
-resident weights, from TF's BFC allocator. Prints a table (or --json).
+A deep stack of FC layers, a forward + backward step under tf.function that returns its
+gradients; peak bytes above the resident weights, from TF's BFC allocator. Rows: the plain
+sequence; `FProp` under a tape per policy ('pipeline K=1'); and `ComputeGradients` per schedule
+of --schedules and policy. Prints a table (or --json).
 """
 
 import json
@@ -22,6 +24,8 @@ LAYERS = flags.DEFINE_integer('layers', 32, 'FC layers in the stack.')
 WIDTH = flags.DEFINE_integer('width', 256, 'Width of every layer.')
 BATCH = flags.DEFINE_integer('batch_size', 4096, 'Examples per step.')
 MICRO = flags.DEFINE_integer('num_micro_batches', 8, 'M for the pipelined runs.')
+ACTIVATION = flags.DEFINE_string('activation', 'TANH', 'FCLayer activation (TANH, RELU, ...).')
+SCHEDULES = flags.DEFINE_list('schedules', [], 'Also ComputeGradients rows for these schedules.')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
 
 
@@ -37,11 +41,24 @@ def _step_fn(model, x):
     return step
 
 
+def _compute_fn(model, x):
+    def loss_fn(y, _):
+        return tf.reduce_sum(tf.square(y)), 1.0
+
+    @tf.function
+    def step():
+        loss, grads = model.ComputeGradients(x, None, loss_fn)
+        return loss, [tf.reduce_sum(g) for g in grads]
+
+    step()
+    return step
+
+
 def measure():
     width = WIDTH.value
     sub = [
         layers.FCLayer.Params().Set(
-            name=f'fc{i}', input_dim=width, output_dim=width, activation='TANH'
+            name=f'fc{i}', input_dim=width, output_dim=width, activation=ACTIVATION.value
         )
         for i in range(LAYERS.value)
     ]
@@ -50,7 +67,13 @@ def measure():
     configs = [('plain', None, None)] + [
         ('pipeline K=1', MICRO.value, policy) for policy in gpipe.RECOMPUTE_POLICIES
     ]
+    configs += [
+        (f'{schedule} K=1', MICRO.value, policy)
+        for schedule in SCHEDULES.value
+        for policy in gpipe.RECOMPUTE_POLICIES
+    ]
     for name, m, policy in configs:
+        schedule = name.split()[0] if name.split()[0] in gpipe.SCHEDULES else None
         if m is None:
             model = layers.SequentialLayer.Params().Set(name='m', sub=sub).Instantiate()
         else:
@@ -59,9 +82,10 @@ def measure():
                 .Set(
                     name='m', sub=sub, partition_by='uniform', num_micro_batches=m, recompute=policy
                 )
+                .Set(schedule=schedule or 'gpipe')
                 .Instantiate()
             )
-        step = _step_fn(model, x)
+        step = _compute_fn(model, x) if schedule else _step_fn(model, x)
         _, peak = memory.peak_bytes(step)
         rows.append(
             dict(setting=name, num_micro_batches=m or 1, recompute=policy or '-', peak_bytes=peak)
@@ -87,6 +111,9 @@ def main(_):
     print(
         f'{result["layers"]} FC layers x {result["width"]}, batch {result["batch_size"]}; '
         f'activations of all layers {result["activation_bytes_all_layers"] / 2**20:.1f} MiB'
+    )
+    print(
+        f'{ACTIVATION.value}; K=1 rows run `FProp` under a tape, <schedule> rows ComputeGradients'
     )
     print(f'{"setting":<14}{"M":>4}  {"recompute":<12}{"peak MiB":>10}{"vs plain":>10}')
     for r in result['rows']:

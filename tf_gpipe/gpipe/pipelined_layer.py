@@ -32,6 +32,7 @@ from tf_gpipe.gpipe import (
 )
 from tf_gpipe.gpipe.recompute import CellRunner
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
+from tf_gpipe.layers.softmax import tie_embeddings
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 
@@ -109,6 +110,8 @@ class PipelinedLayer(base_layer.BaseLayer):
                 runners.append(CellRunner(cells[-1], device, i, p.jit_compile))
             self._replica_cells.append(cells)
             self._runners.append(runners)
+            # A softmax in the last cell may read the embedding of the first (tied weights).
+            tie_embeddings([layer for c in cells for layer in c.AllLayers()])
         self._cells = self._replica_cells[0]
         for cells in self._replica_cells[1:]:
             for src, dst in zip(self._cells, cells):

@@ -29,6 +29,27 @@ import tensorflow as tf
 from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import trace
 
+# Ops that change a variable: one of them in a recompute means the forward changes state, and
+# the recompute would change it again.
+_ASSIGN_OPS = frozenset(
+    [
+        'AssignVariableOp',
+        'AssignAddVariableOp',
+        'AssignSubVariableOp',
+        'ResourceScatterUpdate',
+        'ResourceScatterAdd',
+        'ResourceScatterSub',
+        'ResourceScatterMul',
+        'ResourceScatterDiv',
+        'ResourceScatterMin',
+        'ResourceScatterMax',
+        'ResourceScatterNdUpdate',
+        'ResourceScatterNdAdd',
+        'ResourceScatterNdSub',
+        'ResourceStridedSliceAssign',
+    ]
+)
+
 # Keeps Grappler's function optimizer from inlining the calls (inlining would let common
 # subexpression elimination fold a recompute into its forward, and the executor run it early).
 _NOINLINE = {'_noinline': True}
@@ -152,13 +173,60 @@ class CellRunner:
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W)."""
         with tf.device(self.device), self._Scope(step, micro_batch, recompute=True):
             start = tf.timestamp() if timed else None
+            graph = tf.compat.v1.get_default_graph()
+            first = len(graph.get_operations())
             with tf.GradientTape() as tape:
                 sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
                 tape.watch(sources)
                 outputs = self._Run(inputs, targets)
+            self._CheckNoStateChange(graph.get_operations()[first:])
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (grads, start, _stamp_after(grads)) if timed else grads
+
+    def _CheckNoStateChange(self, ops):
+        """Refuses a layer whose forward assigns a variable, in the recompute's trace: the
+        recompute would assign it a second time and could compute with the changed value.
+
+        State the pipeline replays is allowed: batch norm accumulates only outside recomputes,
+        dropout draws from (step, micro-batch), Keras seed generators are set before each call.
+        A layer class may declare RECOMPUTE_REPEATS_STATE = True when repeating is harmless.
+        """
+        assigns = [op for op in ops if op.type in _ASSIGN_OPS]
+        if not assigns:
+            return
+
+        def handle(v):  # the variable's handle as captured inside this trace
+            return tf.identity(v.handle).op.inputs[0].ref()
+
+        owners, replayed = {}, set()  # handle -> (layer, var); handles of replayed state
+        for layer in self.cell.AllLayers():
+            for gen in getattr(layer, '_generators', []):  # Keras seed generators: set per call
+                replayed.add(handle(gen.state.value))
+            for v in layer.vars.values():
+                if isinstance(v, tf.Variable):
+                    owners[handle(v)] = (layer, v)
+        for op in assigns:
+            if op.inputs[0].ref() in replayed:
+                continue
+            layer, v = owners.get(op.inputs[0].ref(), (None, None))
+            if v is not None and getattr(layer, 'RECOMPUTE_REPEATS_STATE', False):
+                continue
+            what = (
+                f"Layer '{layer.seed_name}' ({type(layer).__name__}) assigns its variable "
+                f"'{v.name}'"
+                if v is not None
+                else f'Cell {self.index} ({self.cell.layer_name}) assigns a variable (op '
+                f"'{op.name}')"
+            )
+            raise ValueError(
+                f'{what} in its forward pass. A recomputed micro-batch runs the forward a second '
+                'time, so the update would happen twice and the recompute could compute with '
+                "the changed value. Use recompute='never' for this pipeline, or move the update "
+                'out of the forward (as BatchNormLayer: accumulate, then apply once per step in '
+                'PostTrainingStepUpdate); if repeating it is harmless, set '
+                'RECOMPUTE_REPEATS_STATE = True on the layer class.'
+            )
 
     @staticmethod
     def _Gradients(tape, sources, outputs, output_grads, variables, want):

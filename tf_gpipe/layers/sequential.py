@@ -1,6 +1,7 @@
 """Layer containers: SequentialLayer (run sub-layers in order) and RepeatLayer."""
 
 from tf_gpipe import base_layer
+from tf_gpipe.layers import softmax
 
 
 def chain(layers, args):
@@ -42,6 +43,7 @@ class SequentialLayer(base_layer.BaseLayer):
         if not self.params.sub:
             raise ValueError(f'SequentialLayer {self.params.name!r} has no sub-layers.')
         self.CreateChildren('sub', self.params.sub)
+        softmax.tie_embeddings(self.AllLayers())
 
     def FProp(self, *args):
         return chain(self.sub, args)

@@ -21,6 +21,13 @@ class LanguageModel(base_task.BaseTask):
             'Template of every Transformer layer (input_dim and name are set).',
         )
         p.Define('label_smoothing', 0.0, 'Label smoothing of the loss.')
+        p.Define(
+            'tie_embedding',
+            False,
+            'The softmax reuses the input embedding (as GPT-2, T5, Lingvo): fewer parameters; '
+            'the embedding sits in the first cell, the softmax in the last, and the gradient is '
+            'the sum of both uses.',
+        )
         return p
 
     @classmethod
@@ -44,6 +51,7 @@ class LanguageModel(base_task.BaseTask):
                 input_dim=p.model_dim,
                 num_classes=p.vocab_size,
                 label_smoothing=p.label_smoothing,
+                tied_embedding='emb' if p.tie_embedding else None,
             )
         )
         return sub

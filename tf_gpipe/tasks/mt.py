@@ -100,6 +100,12 @@ class MtBridgeLayer(_MtLayer):
 class MtOutputLayer(_MtLayer):
     """Decoder state -> logits [B, T, vocab] (final layer norm, then softmax weights)."""
 
+    @classmethod
+    def Params(cls):
+        p = super().Params()
+        p.Define('tied_embedding', None, "Softmax tied to this embedding (e.g. 'bridge/emb').")
+        return p
+
     def __init__(self, params):
         super().__init__(params)
         p = self.params
@@ -107,7 +113,10 @@ class MtOutputLayer(_MtLayer):
         self.CreateChild(
             'softmax',
             layers.SoftmaxLayer.Params().Set(
-                name='softmax', input_dim=p.model_dim, num_classes=p.vocab_size
+                name='softmax',
+                input_dim=p.model_dim,
+                num_classes=p.vocab_size,
+                tied_embedding=p.tied_embedding,
             ),
         )
 
@@ -117,7 +126,9 @@ class MtOutputLayer(_MtLayer):
     @classmethod
     def FPropMeta(cls, p, state):
         vecs = base_layer.to_shape(state)['vecs']
-        sm = layers.SoftmaxLayer.Params().Set(input_dim=p.model_dim, num_classes=p.vocab_size)
+        sm = layers.SoftmaxLayer.Params().Set(
+            input_dim=p.model_dim, num_classes=p.vocab_size, tied_embedding=p.tied_embedding
+        )
         meta = layers.SoftmaxLayer.FPropMeta(sm, vecs)
         return base_layer.Meta(
             meta.flops + 8 * base_layer.num_elements(vecs),
@@ -140,6 +151,12 @@ class TranslationModel(base_task.BaseTask):
         p.Define('num_decoder_layers', 1, 'Decoder layers.')
         p.Define('max_seq_len', 64, 'Sequence length used to estimate layer costs.')
         p.Define('layer_tpl', layers.TransformerLayer.Params(), 'Template of every layer.')
+        p.Define(
+            'tie_embedding',
+            False,
+            'The output softmax reuses the target embedding (in the bridge, often in another '
+            'cell): fewer parameters, and its gradient is the sum of both uses.',
+        )
         return p
 
     @classmethod
@@ -159,7 +176,8 @@ class TranslationModel(base_task.BaseTask):
                     name=f'dec{i:02d}', input_dim=p.model_dim, causal=True, has_aux_atten=True
                 )
             )
-        sub.append(MtOutputLayer.Params().Set(name='output', **common))
+        tied = 'bridge/emb' if p.tie_embedding else None
+        sub.append(MtOutputLayer.Params().Set(name='output', tied_embedding=tied, **common))
         return sub
 
     @classmethod
