@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean engine-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,22 @@ test: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q -n 2 tests 2>.pytest-stderr; \
 	  rc=$$?; grep -v -E '$(TF_NOISE)' .pytest-stderr >&2; rm -f .pytest-stderr; \
 	  if [ $$rc -eq 5 ]; then echo 'pytest collected no tests: failing'; exit 1; fi; exit $$rc
+
+# The engine's figures in the README (about 25 minutes on 2 cores; run on an idle machine):
+# peak memory per schedule, timelines of gpipe / 1f1b / zero_bubble, throughput per schedule.
+RESULTS := docs/results
+engine-results: $(STAMP)
+	mkdir -p $(RESULTS)
+	TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
+	  --batch_size=4096 --num_micro_batches=8 --activation=RELU \
+	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --output=$(RESULTS)/peak_memory.json \
+	  > $(RESULTS)/peak_memory.txt
+	for s in gpipe 1f1b zero_bubble; do \
+	  $(PY) tools/timeline.py --schedule=$$s --recompute=never --num_micro_batches=8 \
+	    --output=docs/timeline_$$s.png --json > $(RESULTS)/timeline_$$s.json || exit 1; done
+	$(PY) tools/benchmark.py --families=fc,transformer --micro_batches=4,8 \
+	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
+	  --overheads=false --output=$(RESULTS)/schedules.json > $(RESULTS)/schedules.txt
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -7,30 +7,18 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import test_pipelined_layer as tpl
 from tests.test_pipelined_layer import MODELS, CountingLayer, _assert_close, _plain
 from tf_gpipe import fprop_context, gpipe
 from tf_gpipe.gpipe import executor, schedules
 
 POLICIES = gpipe.RECOMPUTE_POLICIES
+# The stacks under test; 'fc8' has the K*v = 8 cells interleaved K=4, v=2 needs.
+STACKS = dict(MODELS, fc8=lambda: tpl._fc_model(num_fc=7))
 
 
 def _pipe(sub, k, m, policy, schedule, v=1, seed=1, **kw):
-    return (
-        gpipe.PipelinedLayer.Params()
-        .Set(
-            name='pipe',
-            sub=sub,
-            num_partitions=k,
-            partition_by='uniform',
-            num_micro_batches=m,
-            recompute=policy,
-            schedule=schedule,
-            virtual_stages=v,
-            random_seed=seed,
-        )
-        .Set(**kw)
-        .Instantiate()
-    )
+    return tpl._pipe(sub, k, m, policy, seed, schedule=schedule, virtual_stages=v, **kw)
 
 
 def _loss_fn(out, targets):
@@ -41,7 +29,7 @@ def _loss_fn(out, targets):
 
 
 def _targets(model):
-    sub, inputs = MODELS[model]()
+    sub, inputs = STACKS[model]()
     with fprop_context.eval_mode():
         out = _plain(sub).FProp(*inputs)
     y = out.vecs if isinstance(out, dict) else out
@@ -49,7 +37,7 @@ def _targets(model):
 
 
 def _reference(model, step=0):
-    sub, inputs = MODELS[model]()
+    sub, inputs = STACKS[model]()
     plain, targets = _plain(sub), _targets(model)
     with fprop_context.scope(step=step), tf.GradientTape() as tape:
         loss = _loss_fn(plain.FProp(*inputs), targets)
@@ -62,7 +50,7 @@ def _reference(model, step=0):
 
 
 def _computed(pipe, model, step=0, function=False):
-    _, inputs = MODELS[model]()
+    _, inputs = STACKS[model]()
     targets = _targets(model)
 
     def run():
@@ -77,7 +65,7 @@ def _computed(pipe, model, step=0, function=False):
 
 @pytest.fixture(scope='module')
 def references():
-    return {model: _reference(model) for model in MODELS}
+    return {model: _reference(model) for model in STACKS}
 
 
 SCHEDULE_CASES = [('gpipe', 1), ('1f1b', 1), ('zero_bubble', 1), ('interleaved_1f1b', 2)]
@@ -87,11 +75,14 @@ SCHEDULE_CASES = [('gpipe', 1), ('1f1b', 1), ('zero_bubble', 1), ('interleaved_1
 @pytest.mark.parametrize('k', [1, 2, 4])
 @pytest.mark.parametrize('m', [1, 4, 8])
 def test_every_schedule_k_m_policy_equals_plain_eager(schedule, v, k, m, references):
-    if v > 1 and (m % k or k * v > 6):
-        pytest.skip('interleaved needs M a multiple of K and K*v cells (6 FC layers)')
+    model = 'fc8' if k * v > 6 else 'fc'
     for policy in POLICIES:
-        pipe = _pipe(MODELS['fc']()[0], k, m, policy, schedule, v)
-        _assert_close(_computed(pipe, 'fc'), references['fc'])
+        if v > 1 and m % k:  # interleaved runs micro-batches in groups of K: refused, named
+            with pytest.raises(ValueError, match=f'num_micro_batches={m} must be a multiple'):
+                _computed(_pipe(STACKS[model]()[0], k, m, policy, schedule, v), model)
+            continue
+        pipe = _pipe(STACKS[model]()[0], k, m, policy, schedule, v)
+        _assert_close(_computed(pipe, model), references[model])
 
 
 @pytest.mark.parametrize('schedule,v', SCHEDULE_CASES)
@@ -107,11 +98,12 @@ def test_every_schedule_and_model_in_tf_function(schedule, v, model, references)
 
 
 @pytest.mark.parametrize('schedule,v', SCHEDULE_CASES)
-def test_each_device_runs_its_actions_in_schedule_order(schedule, v):
-    from tests.test_pipelined_layer import _action_ops, _ancestors
+@pytest.mark.parametrize('policy', ['always', 'never'])
+def test_each_device_runs_its_actions_in_schedule_order(schedule, v, policy):
+    from tests.test_pipelined_layer import _action_ops, _ancestors, _assert_stamps_unchained
     from tf_gpipe.gpipe import trace
 
-    pipe = _pipe(MODELS['fc']()[0], 2, 4, 'always', schedule, v)
+    pipe = _pipe(MODELS['fc']()[0], 2, 4, policy, schedule, v)
     _, inputs = MODELS['fc']()
     targets = _targets('fc')
     with trace.record() as events:
@@ -130,6 +122,7 @@ def test_each_device_runs_its_actions_in_schedule_order(schedule, v):
         for previous, action in zip(on_device, on_device[1:]):
             done = _action_ops(previous)
             assert done and done <= _ancestors(action.start.op), (previous, action)
+    _assert_stamps_unchained(events)
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.test_pipelined_layer import _pipe
 from tf_gpipe import base_layer, gpipe, layers
 from tf_gpipe.gpipe import ownership
 
@@ -29,18 +30,7 @@ class ScaleLayer(base_layer.BaseLayer):
 
 def _scale_stack(k, schedule='gpipe', m=2):
     sub = [ScaleLayer.Params().Set(name=f's{i}') for i in range(4)]
-    pipe = (
-        gpipe.PipelinedLayer.Params()
-        .Set(
-            name='pipe',
-            sub=sub,
-            num_partitions=k,
-            partition_by='uniform',
-            num_micro_batches=m,
-            schedule=schedule,
-        )
-        .Instantiate()
-    )
+    pipe = _pipe(sub, k, m, 'except_last', seed=None, schedule=schedule)
     layers_ = [layer for c in pipe.cells for layer in c.sub]
     layers_[3].tied = layers_[0].vars.w  # the last layer reads the first layer's scalar
     return pipe, layers_[0].vars.w

@@ -18,7 +18,9 @@ def test_tiny_model_learns(key, steps, tmp_path):
     model = model_registry.GetClass(key)()
     p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
     hyperparams.apply_overrides(
-        p, f'task.train.max_steps={steps}; task.train.log_interval_steps={steps // 2}'
+        p,
+        f'task.train.max_steps={steps}; task.train.log_interval_steps={steps // 2}; '
+        'task.pipeline.num_micro_batches=2',  # M does not change the maths, only the tracing
     )
     t = trainer.Trainer(p, str(tmp_path))
     t.Build()
@@ -32,7 +34,9 @@ def test_bfloat16_compute_through_the_trainer(tmp_path):
     model = model_registry.GetClass('lm.synthetic.TransformerLmTiny')()
     p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
     hyperparams.apply_overrides(
-        p, 'task.fprop_dtype=tf.bfloat16; task.train.max_steps=30; task.train.log_interval_steps=15'
+        p,
+        'task.fprop_dtype=tf.bfloat16; task.train.max_steps=30; task.train.log_interval_steps=15; '
+        'task.pipeline.num_micro_batches=2',
     )
     t = trainer.Trainer(p, str(tmp_path))
     t.Build()
@@ -50,12 +54,12 @@ def _task_gradients(key, overrides, padded):
 
     model = model_registry.GetClass(key)()
     p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
-    hyperparams.apply_overrides(p, 'train.batch_size=12; task.random_seed=7; ' + overrides)
+    hyperparams.apply_overrides(p, 'train.batch_size=7; task.random_seed=7; ' + overrides)
     task = p.task.Instantiate()
     batch = p.train.Instantiate().GetBatch(tf.constant(3, tf.int64))
     if padded:  # token weights that differ between examples: the mean is over tokens
         batch.weights = batch.weights * tf.cast(
-            tf.sequence_mask(tf.range(12) % 5 + 3, tf.shape(batch.weights)[1]), tf.float32
+            tf.sequence_mask(tf.range(7) % 5 + 3, tf.shape(batch.weights)[1]), tf.float32
         )
     with fprop_context.scope(step=3):
         out, grads = task.ComputeGradients(batch)
@@ -78,12 +82,12 @@ def _task_gradients(key, overrides, padded):
 )
 def test_every_schedule_gives_the_token_weighted_loss_and_gradients(key):
     """The task's micro-batch loss is a token mean weighted by tokens: every schedule (and an
-    uneven M=5 on 12 examples) gives the full batch's loss and gradients, with padding and a
+    uneven M=3 on 7 examples) gives the full batch's loss and gradients, with padding and a
     softmax tied to an embedding in another cell."""
     import numpy as np
 
     base = (
-        'task.pipeline.num_micro_batches=5; task.pipeline.recompute=except_last; '
+        'task.pipeline.num_micro_batches=3; task.pipeline.recompute=except_last; '
         'task.tie_embedding=True; '  # the softmax reads the first cells' embedding
     )
     loss, want, tape_grads, names = _task_gradients(
@@ -107,7 +111,8 @@ def test_trainer_runs_a_schedule_from_an_override(tmp_path):
     hyperparams.apply_overrides(
         p,
         'task.pipeline.schedule=interleaved_1f1b; task.pipeline.virtual_stages=2; '
-        'task.pipeline.num_partitions=2; task.train.max_steps=30; task.train.log_interval_steps=15',
+        'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=2; '
+        'task.train.max_steps=30; task.train.log_interval_steps=15',
     )
     t = trainer.Trainer(p, str(tmp_path))
     t.Build()

@@ -86,16 +86,23 @@ def test_benchmark_runs_on_two_workers():
             '--families=fc',
             '--knob=2',
             '--batch_size=64',
-            '--micro_batches=1,2',
+            '--micro_batches=2',
+            '--schedules=gpipe,zero_bubble',
             '--overhead_micro_batches=2',
             '--steps=1',
             '--json',
         ]
     )
     (result,) = json.loads(out.splitlines()[-1])
-    rows = {(r['num_stages'], r['num_micro_batches']): r for r in result['throughput']}
-    assert sorted(rows) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    assert rows[(2, 1)]['normalised'] == pytest.approx(1.0)
-    assert rows[(2, 2)]['bubble_bound'] == pytest.approx(4 / 3)
+    rows = {
+        (r['schedule'], r['num_stages'], r['num_micro_batches']): r for r in result['throughput']
+    }
+    assert sorted(rows) == [('gpipe', 1, 2), ('gpipe', 2, 2), ('zero_bubble', 2, 2)]
+    # Without M=1 (the paper's K=2, M=1 baseline) the smallest configuration is the baseline.
+    assert rows[('gpipe', 1, 2)]['normalised'] == pytest.approx(1.0)
+    assert rows[('gpipe', 2, 2)]['bubble_bound'] == pytest.approx(4 / 3)
+    # zero_bubble, B = W = F: K=2, M=2 runs in 7 units against 6 units of work per stage.
+    assert rows[('zero_bubble', 2, 2)]['bubble_bound'] == pytest.approx(2 * 6 / 7)
+    assert rows[('zero_bubble', 2, 2)]['speedup'] > 0
     names = [r['name'] for r in result['overheads']]
     assert names[0] == 'plain sequence' and 'K=1 M=2 always' in names

@@ -37,7 +37,10 @@ def _scalars(event_dir, tag):
 
 def test_train_eval_resume(tmp_path):
     logdir = str(tmp_path / 'lm')
-    fast = 'task.train.log_interval_steps=10; task.train.save_interval_steps=20'
+    fast = (
+        'task.train.log_interval_steps=10; task.train.save_interval_steps=20; '
+        'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=2'  # less to trace
+    )
     run = _trainer(
         f'--model={MODEL}',
         f'--logdir={logdir}',
@@ -109,7 +112,7 @@ def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):
     from tf_gpipe import local_cluster
 
     logdir = str(tmp_path / 'lm')
-    two = 'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=4'
+    two = 'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=2'
     with local_cluster.LocalCluster(2) as workers:
         hosts = workers.spec['worker']
         run = _trainer(

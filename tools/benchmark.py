@@ -24,6 +24,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
 
 from absl import app, flags  # noqa: E402
@@ -34,12 +36,16 @@ MICRO = flags.DEFINE_list('micro_batches', ['1', '2', '4', '8', '16', '32'], 'M 
 POLICY = flags.DEFINE_enum(
     'recompute', 'always', ['always', 'except_last', 'never'], 'Policy of the throughput table.'
 )
-SCHEDULE = flags.DEFINE_enum(
-    'schedule',
-    'gpipe',
-    ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'],
-    'Schedule of the K>1 pipelines (K=1 always runs fill-drain: one stage has no bubble).',
+SCHEDULES = flags.DEFINE_list(
+    'schedules',
+    ['gpipe'],
+    'Schedules of the K>1 pipelines, all timed in one process against the same K=1 step '
+    '(K=1 runs fill-drain: one stage has no bubble). gpipe|1f1b|interleaved_1f1b|zero_bubble',
 )
+RUNS = flags.DEFINE_integer(
+    'runs', 1, 'Fresh processes per M (with --isolate); tables show the median and the spread.'
+)
+OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 VIRTUAL = flags.DEFINE_integer('virtual_stages', 2, 'v for --schedule=interleaved_1f1b.')
 OVERHEAD_M = flags.DEFINE_integer('overhead_micro_batches', 8, 'M of the overhead rows.')
 STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (after 2 warm-ups).')
@@ -84,10 +90,11 @@ def throughput(family, devices, micro_batches, policy, steps):
     x = batch_input(shape, c['batch'], devices[0])
     rows = []
     for m in micro_batches:
-        ks = list(range(1, len(devices) + 1))
+        configs = [(1, 'gpipe')] + [
+            (k, schedule) for schedule in SCHEDULES.value for k in range(2, len(devices) + 1)
+        ]
         steps_fns = []
-        for k in ks:
-            schedule = SCHEDULE.value if k > 1 else 'gpipe'
+        for k, schedule in configs:
             v = VIRTUAL.value if schedule == 'interleaved_1f1b' else 1
             model = build(
                 sub,
@@ -100,9 +107,15 @@ def throughput(family, devices, micro_batches, policy, steps):
                 virtual_stages=v,
             )
             steps_fns.append(train_step(model, x))
-        for k, t in zip(ks, median_times(steps_fns, steps)):
+        for (k, schedule), t in zip(configs, median_times(steps_fns, steps)):
             rows.append(
-                dict(num_stages=k, num_micro_batches=m, seconds=t, examples_per_s=c['batch'] / t)
+                dict(
+                    schedule=schedule,
+                    num_stages=k,
+                    num_micro_batches=m,
+                    seconds=t,
+                    examples_per_s=c['batch'] / t,
+                )
             )
     return rows
 
@@ -141,8 +154,9 @@ def _measure_here(family, micro, with_overheads):
 def _measure_isolated(family, micro, with_overheads):
     """As _measure_here, each M (and the overhead rows) in a fresh client with fresh workers."""
     rows, over = [], []
-    parts = [([m], False) for m in micro] + ([([], True)] if with_overheads else [])
-    for part_micro, part_over in parts:
+    parts = [([m], False) for m in micro for _ in range(RUNS.value)]
+    parts += [([], True)] if with_overheads else []
+    for run_index, (part_micro, part_over) in enumerate(parts):
         args = [
             f'--families={family}',
             f'--micro_batches={",".join(str(m) for m in part_micro)}',
@@ -150,16 +164,17 @@ def _measure_isolated(family, micro, with_overheads):
             '--isolate=false',
             '--json',
         ]
-        flags_ = (STAGES, POLICY, SCHEDULE, VIRTUAL, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH)
+        flags_ = (STAGES, POLICY, VIRTUAL, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH)
         for flag in flags_:
             args.append(f'--{flag.name}={flag.value}')
+        args.append(f'--schedules={",".join(SCHEDULES.value)}')
         run = subprocess.run(
             [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True
         )
         if run.returncode:
             raise RuntimeError(f'benchmark {" ".join(args)} failed:\n{run.stderr[-3000:]}')
         result = json.loads(run.stdout.strip().splitlines()[-1])[0]
-        rows += result['throughput']
+        rows += [dict(r, run=run_index) for r in result['throughput']]
         over += result['overheads']
     return rows, over
 
@@ -167,19 +182,46 @@ def _measure_isolated(family, micro, with_overheads):
 def measure(family):
     micro = [int(m) for m in MICRO.value]
     measure_fn = _measure_isolated if ISOLATE.value else _measure_here
-    rows, over = measure_fn(family, micro, OVERHEADS.value)
-    by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
-    # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
-    base = by.get((2, 1), by.get((1, 1)))
-    if base is None and rows:
-        base = min(rows, key=lambda r: r['num_micro_batches'])
-    for r in rows:
-        k, m = r['num_stages'], r['num_micro_batches']
-        r['normalised'] = r['examples_per_s'] / base['examples_per_s']
+    runs, over = measure_fn(family, micro, OVERHEADS.value)
+    runs = [dict(r, run=r.get('run', 0)) for r in runs]
+    # Ratios are taken within one run (one process: the same machine state), then summarised
+    # over the runs: median, min and max.
+    k1 = {(r['run'], r['num_micro_batches']): r for r in runs if r['num_stages'] == 1}
+    for r in runs:
+        if r['num_stages'] > 1:
+            r['speedup'] = k1[(r['run'], r['num_micro_batches'])]['seconds'] / r['seconds']
+    groups = {}
+    for r in runs:
+        groups.setdefault((r['schedule'], r['num_stages'], r['num_micro_batches']), []).append(r)
+    rows = []
+    for (schedule, k, m), rs in groups.items():
+        t = [r['seconds'] for r in rs]
+        row = dict(
+            schedule=schedule,
+            num_stages=k,
+            num_micro_batches=m,
+            runs=len(rs),
+            seconds=float(np.median(t)),
+            seconds_spread=[min(t), max(t)],
+        )
+        row['examples_per_s'] = _config(family)['batch'] / row['seconds']
         if k > 1:
-            r['speedup'] = by[(1, m)]['seconds'] / r['seconds']
-            r['bubble_bound'] = _bound(k, m)
-            r['efficiency'] = r['speedup'] / r['bubble_bound']
+            ups = [r['speedup'] for r in rs]
+            row.update(
+                speedup=float(np.median(ups)),
+                speedup_spread=[min(ups), max(ups)],
+                bubble_bound=_bound(schedule, k, m),
+            )
+            row['efficiency'] = row['speedup'] / row['bubble_bound']
+        rows.append(row)
+    by = {(r['schedule'], r['num_stages'], r['num_micro_batches']): r for r in rows}
+    # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
+    first = SCHEDULES.value[0]
+    base = by.get((first, 2, 1), by.get(('gpipe', 1, 1)))
+    if base is None and rows:
+        base = min(rows, key=lambda r: (r['num_micro_batches'], r['num_stages']))
+    for r in rows:
+        r['normalised'] = r['examples_per_s'] / base['examples_per_s']
     c = _config(family)
     return dict(
         family=family,
@@ -187,23 +229,27 @@ def measure(family):
         batch_size=c['batch'],
         config=c['overrides'],
         recompute=POLICY.value,
-        schedule=SCHEDULE.value,
-        virtual_stages=VIRTUAL.value if SCHEDULE.value == 'interleaved_1f1b' else 1,
+        schedules=list(SCHEDULES.value),
+        virtual_stages=VIRTUAL.value,
         partition_by=PARTITION_BY.value,
         baseline=base
-        and dict(num_stages=base['num_stages'], num_micro_batches=base['num_micro_batches']),
+        and dict(
+            schedule=base['schedule'],
+            num_stages=base['num_stages'],
+            num_micro_batches=base['num_micro_batches'],
+        ),
         throughput=rows,
         overheads=over,
     )
 
 
-def _bound(k, m):
+def _bound(schedule, k, m):
     """Ideal speed-up of the K-stage schedule over K=1 at equal stage costs (unit F, B = 2F,
     or B = W = F when split): K * (work of one stage) / simulated makespan."""
     from tf_gpipe.gpipe import schedules
 
-    v = VIRTUAL.value if SCHEDULE.value == 'interleaved_1f1b' else 1
-    sched = schedules.build(SCHEDULE.value, k, m, v)
+    v = VIRTUAL.value if schedule == 'interleaved_1f1b' else 1
+    sched = schedules.build(schedule, k, m, v)
     sim = schedules.simulate(sched)
     return k * sim.busy[0] / sim.makespan
 
@@ -211,35 +257,45 @@ def _bound(k, m):
 def _print(result):
     print(
         f'\n{result["family"]} (knob {result["knob"]}, {result["config"]}), batch '
-        f'{result["batch_size"]}, schedule={result["schedule"]} (v={result["virtual_stages"]}), '
-        f'recompute={result["recompute"]}, '
+        f'{result["batch_size"]}, recompute={result["recompute"]}, '
         f'partition_by={result["partition_by"]}, one single-core worker per stage'
     )
     rows = result['throughput']
     if rows:
-        micro = sorted({r['num_micro_batches'] for r in rows})
-        ks = sorted({r['num_stages'] for r in rows})
-        by = {(r['num_stages'], r['num_micro_batches']): r for r in rows}
         b = result['baseline']
+        runs = max(r['runs'] for r in rows)
         print(
-            f'normalised throughput (K={b["num_stages"]}, M={b["num_micro_batches"]} = 1.00; the '
-            'paper uses K=2, M=1); examples/s in brackets'
+            f'normalised throughput ({b["schedule"]} K={b["num_stages"]}, '
+            f'M={b["num_micro_batches"]} = 1.00; the paper uses K=2, M=1), examples/s, and for '
+            f'K>1 the speed-up over K=1 at the same M (median of {runs} run(s) [min-max]), the '
+            "schedule's ideal bound and efficiency = speed-up / bound"
         )
-        print(f'{"":>8}' + ''.join(f'{"M=" + str(m):>16}' for m in micro))
-        for k in ks:
-            cells = ''.join(
-                f'{by[(k, m)]["normalised"]:>7.2f} ({by[(k, m)]["examples_per_s"]:>6.1f})'
-                for m in micro
+        print(
+            f'{"schedule":<18}{"K":>3}{"M":>4}{"norm.":>8}{"ex/s":>9}{"speed-up":>10}'
+            f'{"[min-max]":>14}{"bound":>7}{"eff.":>7}'
+        )
+        for r in sorted(
+            rows,
+            key=lambda r: (
+                r['num_micro_batches'],
+                r['num_stages'] > 1,
+                result['schedules'].index(r['schedule'])
+                if r['schedule'] in result['schedules']
+                else -1,
+                r['num_stages'],
+            ),
+        ):
+            line = (
+                f'{r["schedule"]:<18}{r["num_stages"]:>3}{r["num_micro_batches"]:>4}'
+                f'{r["normalised"]:>8.2f}{r["examples_per_s"]:>9.1f}'
             )
-            print(f'{"K=" + str(k):>8}{cells}')
-        for k in ks[1:]:
-            print(f"K={k} vs K=1 at the same M: speed-up / the schedule's bound = efficiency")
-            for m in micro:
-                r = by[(k, m)]
-                print(
-                    f'{"M=" + str(m):>8}  {r["speedup"]:.2f} / {r["bubble_bound"]:.2f} = '
-                    f'{r["efficiency"]:.2f}'
+            if r['num_stages'] > 1:
+                lo, hi = r['speedup_spread']
+                line += (
+                    f'{r["speedup"]:>10.2f}{f"[{lo:.2f}-{hi:.2f}]":>14}'
+                    f'{r["bubble_bound"]:>7.2f}{r["efficiency"]:>7.2f}'
                 )
+            print(line)
     if result['overheads']:
         print('overheads on one worker (step seconds, ratio to the plain sequence):')
         for r in result['overheads']:
@@ -247,7 +303,15 @@ def _print(result):
 
 
 def main(_):
+    from tf_gpipe.gpipe import schedules
+
+    for name in SCHEDULES.value:
+        schedules.build(name, 2, 2 * max(2, VIRTUAL.value))  # an unknown name: did you mean ...
     results = [measure(f) for f in FAMILIES.value]
+    if OUTPUT.value:
+        os.makedirs(os.path.dirname(os.path.abspath(OUTPUT.value)), exist_ok=True)
+        with open(OUTPUT.value, 'w') as f:
+            json.dump(results, f, indent=1)
     if JSON.value:
         print(json.dumps(results))
         return

@@ -34,6 +34,9 @@ CPUS = flags.DEFINE_integer('num_logical_cpus', 4, 'Logical CPUs of the trainer.
 SEED = flags.DEFINE_integer('seed', 0, 'Seed of the kill steps.')
 WORKDIR = flags.DEFINE_string('workdir', None, 'Where the two logdirs go (default: a temp dir).')
 TIMEOUT = flags.DEFINE_integer('run_timeout', 600, 'Seconds a trainer run may take.')
+OVERRIDE = flags.DEFINE_string(
+    'params_override', '', 'More overrides for every run, e.g. task.pipeline.num_micro_batches=2.'
+)
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'trainer.py')
@@ -42,6 +45,8 @@ _STEP = re.compile(r'step\s+(\d+)\s+loss')
 
 def _command(logdir):
     override = f'task.train.log_interval_steps=1; task.train.save_interval_steps={SAVE_EVERY.value}'
+    if OVERRIDE.value:
+        override += f'; {OVERRIDE.value}'
     return [
         sys.executable,
         TRAINER,

@@ -3,11 +3,13 @@
     python tools/timeline.py --num_stages=2 --num_micro_batches=8 --output=runs/timeline.png
 
 K single-core TF worker processes on 127.0.0.1 (one per stage) run a pipelined training step
-of a deep FC stack. Every cell call is bracketed by tf.timestamp() ops on its device
-(gpipe.trace), so each forward (F) and backward-with-recompute (B) of each micro-batch is drawn
-where it really ran; the ideal fill-drain schedule, with the same mean F and B durations, is
-drawn underneath. Printed: the measured bubble (idle share of each device between the step's
-first and last action) next to (K-1)/(M+K-1). Needs matplotlib (pip install -e .[plot]).
+of a deep FC stack under any --schedule. `gpipe.trace` stamps each action on its device when
+its inputs exist and when its outputs do, without changing the step (same calls, kept forwards
+still inline), so each forward (F), backward (B) and weight-gradient (W) action of each
+micro-batch is drawn where it really ran; the ideal schedule, with the same mean F, B and W
+durations, is drawn underneath. Printed: the measured bubble (idle share of each device
+between the step's first and last action) next to the ideal one. Needs matplotlib
+(pip install -e .[plot]).
 """
 
 import json
@@ -25,6 +27,7 @@ POLICY = flags.DEFINE_enum('recompute', 'always', ['always', 'except_last', 'nev
 SCHEDULE = flags.DEFINE_enum(
     'schedule', 'gpipe', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'], 'Schedule.'
 )
+VIRTUAL = flags.DEFINE_integer('virtual_stages', 2, 'v of --schedule=interleaved_1f1b.')
 LAYERS = flags.DEFINE_integer('layers', 16, 'FC layers.')
 WIDTH = flags.DEFINE_integer('width', 512, 'Layer width.')
 BATCH = flags.DEFINE_integer('batch_size', 2048, 'Examples per step.')
@@ -35,7 +38,16 @@ JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 
 
 def measure(
-    num_stages, num_micro_batches, recompute, layers, width, batch, steps, local, schedule='gpipe'
+    num_stages,
+    num_micro_batches,
+    recompute,
+    layers,
+    width,
+    batch,
+    steps,
+    local,
+    schedule='gpipe',
+    virtual_stages=1,
 ):
     """(events [(phase, stage, micro_batch, start_s, end_s)], step span s) of a real step."""
     from bench_common import batch_input, build, family_layers, train_step
@@ -54,7 +66,15 @@ def measure(
         devices = workers.devices()
     try:
         sub, shape = family_layers('fc', layers, width=width)
-        model = build(sub, shape, devices, num_micro_batches, recompute, schedule=schedule)
+        model = build(
+            sub,
+            shape,
+            devices,
+            num_micro_batches,
+            recompute,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+        )
         x = batch_input(shape, batch, devices[0])
         with trace.record() as events:
             step = train_step(model, x, trace_events=events)
@@ -71,8 +91,9 @@ def measure(
         for e, (a, b) in zip(events, chosen):  # events are in each device's run order
             # A start stamp fires when the call's inputs exist; the device itself is free only
             # when its previous call has ended (it runs its calls one after another).
-            a = max(a, last_end.get(e.stage, a))
-            last_end[e.stage] = b
+            device = e.stage % num_stages  # interleaved: cell c runs on device c mod K
+            a = max(a, last_end.get(device, a))
+            last_end[device] = b
             out.append((e.phase, e.stage, e.micro_batch, float(a - t0), float(b - t0)))
         return out, float(chosen[:, 1].max() - t0)
     finally:
@@ -80,7 +101,7 @@ def measure(
             workers.stop()
 
 
-def draw(path, measured, ideal, num_stages, num_micro_batches, title):
+def draw(path, measured, ideal, num_stages, num_micro_batches, title, recompute='always'):
     import matplotlib
 
     matplotlib.use('Agg')
@@ -90,6 +111,7 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
     fig, axes = plt.subplots(2, 1, figsize=(12, 1.2 + 1.1 * num_stages * 2), sharex=True)
     for ax, (label, events) in zip(axes, (('measured', measured), ('ideal', ideal))):
         for phase, stage, m, start, end in events:
+            stage %= num_stages  # the device's row
             ax.broken_barh(
                 [(start * 1e3, (end - start) * 1e3)],
                 (num_stages - 1 - stage - 0.4, 0.8),
@@ -110,9 +132,12 @@ def draw(path, measured, ideal, num_stages, num_micro_batches, title):
         ax.set_yticks(range(num_stages))
         ax.set_yticklabels([f'device {k}' for k in reversed(range(num_stages))])
         ax.set_title(label, loc='left', fontsize=10)
+    backward = {'never': 'backward B', 'always': 'recompute + backward B'}.get(
+        recompute, 'backward B (recomputed unless kept)'
+    )
     axes[-1].set_xlabel(
-        'ms since the step began  (blue: forward F of micro-batch m; orange: '
-        'backward B (with recompute); green: weight gradient W)'
+        f'ms since the step began  (blue: forward F of micro-batch m; orange: {backward}; '
+        'green: weight gradient W)'
     )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
@@ -127,6 +152,7 @@ def main(_):
     from tf_gpipe.gpipe import schedules
 
     k, m = STAGES.value, MICRO.value
+    v = VIRTUAL.value if SCHEDULE.value == 'interleaved_1f1b' else 1
     events, span = measure(
         k,
         m,
@@ -137,6 +163,7 @@ def main(_):
         STEPS.value,
         LOCAL.value,
         SCHEDULE.value,
+        v,
     )
     per_device, measured = bench_common.bubble(events, k, span)
 
@@ -145,7 +172,7 @@ def main(_):
         return float(np.mean(times)) if times else 0.0
 
     t_f, t_b, t_w = mean('F'), mean('B'), mean('W')
-    sched = schedules.build(SCHEDULE.value, k, m)
+    sched = schedules.build(SCHEDULE.value, k, m, v)
     ideal = bench_common.ideal_events(sched, t_f, t_b, t_w)
     ideal_span = max(e[4] for e in ideal)
     expected = 1.0 - sum(e[4] - e[3] for e in ideal) / (k * ideal_span)
@@ -153,7 +180,7 @@ def main(_):
         f'{SCHEDULE.value}, K={k}, M={m}, recompute={POLICY.value}: {LAYERS.value} FC x '
         f'{WIDTH.value}, batch {BATCH.value}. Bubble measured {measured:.3f}, ideal {expected:.3f}'
     )
-    draw(OUTPUT.value, events, ideal, k, m, title)
+    draw(OUTPUT.value, events, ideal, k, m, title, POLICY.value)
     result = dict(
         num_stages=k,
         num_micro_batches=m,

@@ -11,7 +11,9 @@ What an action keeps, and when it is freed:
   has used it, so eager mode frees it then, too.
 - B(s, m) turns the output gradient into the input gradient for stage s-1 and, unless the
   schedule splits the backward, the variables' gradients, which go straight into the
-  per-variable sums (ownership.py). W(s, m) adds the variables' gradients alone.
+  per-variable sums (ownership.py). W(s, m) adds the variables' gradients alone: for a kept
+  micro-batch from the gradients B left at each weight's uses (weight_gradients.py), for a
+  recomputed one by recomputing the cell (exact, not cheaper).
 
 Which micro-batches are recomputed: 'always' all, 'never' none, 'except_last' every one whose
 backward is not the very next action after its forward on that device — under fill-drain the
@@ -69,6 +71,7 @@ class Executor:
         self._targets = {}  # m -> targets of micro-batch m (last stage)
         self._kept = {}  # (stage, m) -> forward tape of a kept micro-batch
         self._d_out = {}  # (stage, m) -> gradient of the stage's outputs
+        self._w_state = {}  # (stage, m) -> what W needs after a split B
         self._last = {}  # device index -> outputs of its previous action (for ordering)
         self.outputs = {}  # m -> last stage outputs (tuple)
         self.losses = {}  # m -> (weighted loss, weight) in loss mode
@@ -127,7 +130,7 @@ class Executor:
         targets = self._targets.get(m) if last else None
         with tf.device(runner.device):
             x = self._Ordered(s, self._inputs[(s, m)])
-            t0 = trace.start(x)
+            t0 = trace.start(x, runner.device)
             if (s, m) in self.kept_set:
                 y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
             else:
@@ -164,21 +167,28 @@ class Executor:
         s, m = a.stage, a.micro_batch
         split = self.sched.split_backward
         want_x = s > 0 or self.input_grads
-        if split:
-            want = 'inputs' if want_x else None
-        else:
-            want = 'all' if want_x else 'variables'
         runner = self.runners[s]
         with tf.device(runner.device):
             dy = self._Ordered(s, self._OutputGrads(s, m))
-            if split:
-                self._d_out[('w', s, m)] = dy  # W needs it too
             x, kept = self._Stored(s, m, final=not split)
-            t0 = trace.start(dy)
-            d_x, d_vars = self._Backward(runner, x, kept, m, dy, want)
-            trace.end(t0, BACKWARD, s, m, (d_x, d_vars) if want else dy)
-            self.sums.AddAll(d_vars)
-        self._Done(s, (d_x, [g for _, g in d_vars], dy))
+            t0 = trace.start(dy, runner.device)
+            point_grads = []
+            if split and kept is not None:
+                # Kept forward: B stops at the weights' uses, W finishes them locally.
+                d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x)
+                self._w_state[(s, m)] = ('split', w_state) if w_state else ('kept', dy)
+                point_grads = w_state[1] if w_state else []
+            else:
+                if split:
+                    want = 'inputs' if want_x else None
+                    self._w_state[(s, m)] = ('recompute', dy)
+                else:
+                    want = 'all' if want_x else 'variables'
+                d_x, d_vars = self._Backward(runner, x, kept, m, dy, want)
+            done = (d_x, [g for _, g in d_vars], point_grads, dy)
+            trace.end(t0, BACKWARD, s, m, done)
+            done += (self.sums.AddAll(d_vars),)
+        self._Done(s, done)
         if want_x:
             d_in = pack_float_grads(x, d_x)
             if s > 0:
@@ -189,14 +199,23 @@ class Executor:
     def _W(self, a):
         s, m = a.stage, a.micro_batch
         runner = self.runners[s]
+        how, state = self._w_state.pop((s, m))
         with tf.device(runner.device):
-            dy = self._Ordered(s, self._d_out.pop(('w', s, m)))
             x, kept = self._Stored(s, m, final=True)
-            t0 = trace.start(dy)
-            _, d_vars = self._Backward(runner, x, kept, m, dy, 'variables')
-            trace.end(t0, WEIGHT, s, m, d_vars)
-            self.sums.AddAll(d_vars)
-        self._Done(s, ([g for _, g in d_vars], dy))
+            if how == 'split':
+                uses, point_grads = state
+                point_grads = self._Ordered(s, point_grads)
+                t0 = trace.start(point_grads, runner.device)
+                d_vars = runner.SplitWeights((uses, point_grads))
+                token = point_grads
+            else:  # re-derives the chain: from the kept tape, or by recomputing
+                dy = self._Ordered(s, state)
+                t0 = trace.start(dy, runner.device)
+                _, d_vars = self._Backward(runner, x, kept, m, dy, 'variables')
+                token = dy
+            trace.end(t0, WEIGHT, s, m, [g for _, g in d_vars])
+            totals = self.sums.AddAll(d_vars)
+        self._Done(s, ([g for _, g in d_vars], token, totals))
 
     def _Backward(self, runner, x, kept, m, dy, want):
         if want is None:

@@ -30,22 +30,31 @@ class GradientSums:
         return list(self._variables.values())
 
     def Add(self, variable, grad):
-        """Adds one contribution (None: the reader did not reach the variable)."""
+        """Adds one contribution (None: the reader did not reach the variable); returns the new
+        running sum (None if nothing was added)."""
         if grad is None:
-            return
+            return None
         ref = variable.ref()
         self._variables.setdefault(ref, variable)
         with tf.device(variable.device):
             if isinstance(grad, tf.IndexedSlices):
                 prev = self._sparse.get(ref)
-                self._sparse[ref] = grad if prev is None else _concat(prev, grad)
+                self._sparse[ref] = total = grad if prev is None else _concat(prev, grad)
             else:
                 prev = self._dense.get(ref)
-                self._dense[ref] = grad if prev is None else prev + grad
+                self._dense[ref] = total = grad if prev is None else prev + grad
+        return total
 
     def AddAll(self, pairs):
-        for variable, grad in pairs:
-            self.Add(variable, grad)
+        """Adds every (variable, gradient); returns the new running sums.
+
+        The executor makes the device's next action wait for them, so that each micro-batch's
+        contribution is added before the next one is computed: otherwise Grappler's arithmetic
+        optimizer may turn the chain of additions into one AddN over all M contributions and
+        keep every micro-batch's gradients alive to the end (measured: 1F1B's peak nearly
+        doubled on a 16-layer FC stack)."""
+        totals = [self.Add(variable, grad) for variable, grad in pairs]
+        return [t for t in totals if t is not None]
 
     def Total(self, variable, scale=None):
         """The summed gradient of `variable` (times `scale`), or None if nothing reached it."""

@@ -14,7 +14,7 @@ cell's device:
 
 A micro-batch whose activations are kept needs no boundary: its forward ops go straight into
 the step's graph, under a tape of its own, where TF optimises them with their gradient as in a
-plain sequence. Only under XLA (jit_compile) or gpipe.trace is it a call too.
+plain sequence. Only under XLA (jit_compile) is it a call too.
 
 The variables a cell differentiates are the ones its forward *reads* (the tape's watched
 variables), not the ones it owns: a tied softmax in the last cell reads the embedding of the
@@ -27,7 +27,7 @@ function returns (outputs, weighted loss, weight) and its backward starts from d
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import trace
+from tf_gpipe.gpipe import weight_gradients
 
 # Ops that change a variable: one of them in a recompute means the forward changes state, and
 # the recompute would change it again.
@@ -59,14 +59,8 @@ def _is_float(x):
     return isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating
 
 
-def _timed():
-    return trace.recording() and not tf.executing_eagerly()
-
-
-def _stamp_after(structure):
-    tensors = [t for t in tf.nest.flatten(structure, expand_composites=True) if t is not None]
-    with tf.control_dependencies(tensors):
-        return tf.timestamp()
+def _zeros_if_none(grad, like):
+    return tf.zeros_like(like) if grad is None else tf.convert_to_tensor(grad)
 
 
 def as_tuple(outputs):
@@ -162,17 +156,13 @@ class CellRunner:
             training=training, step=step, seed_offset=micro_batch, recompute=recompute
         )
 
-    def _Forward(self, inputs, targets, step, micro_batch, training, timed=False):
+    def _Forward(self, inputs, targets, step, micro_batch, training):
         with tf.device(self.device), self._Scope(step, micro_batch, training):
-            # Timed (gpipe.trace): the call's first op stamps when the call really began.
-            start = tf.timestamp() if timed else None
-            outputs = self._Run(inputs, targets)
-            return (outputs, start, _stamp_after(outputs)) if timed else outputs
+            return self._Run(inputs, targets)
 
-    def _Backward(self, inputs, targets, output_grads, step, micro_batch, want, timed=False):
+    def _Backward(self, inputs, targets, output_grads, step, micro_batch, want):
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W)."""
         with tf.device(self.device), self._Scope(step, micro_batch, recompute=True):
-            start = tf.timestamp() if timed else None
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             with tf.GradientTape() as tape:
@@ -181,8 +171,7 @@ class CellRunner:
                 outputs = self._Run(inputs, targets)
             self._CheckNoStateChange(graph.get_operations()[first:])
             variables = self._NoteRead(tape.watched_variables())
-            grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
-            return (grads, start, _stamp_after(grads)) if timed else grads
+            return self._Gradients(tape, sources, outputs, output_grads, variables, want)
 
     def _CheckNoStateChange(self, ops):
         """Refuses a layer whose forward assigns a variable, in the recompute's trace: the
@@ -197,7 +186,7 @@ class CellRunner:
             return
 
         def handle(v):  # the variable's handle as captured inside this trace
-            return tf.identity(v.handle).op.inputs[0].ref()
+            return weight_gradients.captured_handle(v).ref()
 
         owners, replayed = {}, set()  # handle -> (layer, var); handles of replayed state
         for layer in self.cell.AllLayers():
@@ -229,12 +218,17 @@ class CellRunner:
             )
 
     @staticmethod
-    def _Gradients(tape, sources, outputs, output_grads, variables, want):
+    def _Targets(outputs, output_grads):
         ys, dys = [], []
         for y, dy in zip(tf.nest.flatten(outputs), tf.nest.flatten(output_grads)):
             if _is_float(y) and dy is not None:
                 ys.append(y)
                 dys.append(tf.cast(dy, y.dtype))
+        return ys, dys
+
+    @classmethod
+    def _Gradients(cls, tape, sources, outputs, output_grads, variables, want):
+        ys, dys = cls._Targets(outputs, output_grads)
         sources = sources if want in ('all', 'inputs') else []
         variables = variables if want in ('all', 'variables') else []
         if not (sources or variables):
@@ -252,45 +246,63 @@ class CellRunner:
 
     def Forward(self, inputs, targets, step, micro_batch, training=True):
         """The cell's outputs for one micro-batch; no activations are kept."""
-        result = self._forward(inputs, targets, step, micro_batch, training, _timed())
-        return self._Timed(result)
+        return self._forward(inputs, targets, step, micro_batch, training)
 
     def ForwardKeep(self, inputs, targets, step, micro_batch):
-        """Forward whose activations are kept on a tape, for `BackwardKept`."""
+        """Forward whose activations are kept on a tape, for `BackwardKept` / `SplitBackward`."""
         tape = tf.GradientTape(persistent=True)
+        ops = None
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
-            if self._jit or tf.executing_eagerly() or _timed():  # timed: a call stamps itself
-                outputs = self._Timed(
-                    self._forward(inputs, targets, step, micro_batch, True, _timed())
-                )
+            if self._jit or tf.executing_eagerly():
+                outputs = self._forward(inputs, targets, step, micro_batch, True)
             else:
                 # Kept activations need no call boundary: the cell's ops go straight into the
                 # step's graph, where TF optimises forward and backward together (as for the
                 # plain sequence). The inputs already wait for the device's previous action.
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
                 outputs = self._Forward(inputs, targets, step, micro_batch, True)
-        return outputs, (tape, sources, outputs)
+                ops = graph.get_operations()[first:]
+        return outputs, (tape, sources, outputs, ops)
 
     def BackwardKept(self, kept, output_grads, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) from a ForwardKeep's tape."""
-        tape, sources, outputs = kept
+        tape, sources, outputs, _ = kept
         variables = self._NoteRead(tape.watched_variables())
         with tf.device(self.device):
             d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
         return d_x, list(zip(variables, d_v)) if d_v else []
 
+    def SplitBackward(self, kept, output_grads, want_inputs):
+        """Zero-bubble's B on a kept forward: (d_float_inputs, [(variable, d_variable)] of the
+        variables that are not split, state for `SplitWeights`). See weight_gradients.py."""
+        tape, sources, outputs, ops = kept
+        if ops is None:  # eager / XLA: no graph to split; W walks the tape (BackwardKept)
+            d_x = self.BackwardKept(kept, output_grads, 'inputs')[0] if want_inputs else []
+            return d_x, [], None
+        variables = self._NoteRead(tape.watched_variables())
+        with tf.device(self.device):
+            uses = weight_gradients.Uses(ops, variables)
+            sources = sources if want_inputs else []
+            points = uses.Tensors()
+            targets = sources + points + uses.unsplit
+            ys, dys = self._Targets(outputs, output_grads)
+            grads = tape.gradient(ys, targets, output_gradients=dys) if targets else []
+            n, p = len(sources), len(points)
+            d_x = [_zeros_if_none(g, x) for g, x in zip(grads[:n], sources)]
+            d_unsplit = [_zeros_if_none(g, v) for g, v in zip(grads[n + p :], uses.unsplit)]
+        return d_x, list(zip(uses.unsplit, d_unsplit)), (uses, list(grads[n : n + p]))
+
+    def SplitWeights(self, state):
+        """Zero-bubble's W after `SplitBackward`: [(variable, d_variable)] of the split ones."""
+        uses, point_grads = state
+        with tf.device(self.device):
+            return uses.WeightGradients(point_grads)
+
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
-        result = self._backward(inputs, targets, output_grads, step, micro_batch, want, _timed())
-        d_x, d_v = self._Timed(result)
+        d_x, d_v = self._backward(inputs, targets, output_grads, step, micro_batch, want)
         # A retrace may have found more variables; an older trace returns a prefix of the list.
         return d_x, list(zip(self._read, d_v))
-
-    def _Timed(self, result):
-        """Unpacks (result, start, end) of a timed call, handing the stamps to gpipe.trace."""
-        if not _timed():
-            return result
-        result, start, end = result
-        trace.note_stamps(start, end)
-        return result

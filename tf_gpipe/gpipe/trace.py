@@ -1,15 +1,16 @@
 """Timestamps of every pipeline action, so a tool can draw one step as it really ran.
 
 Inside `with trace.record() as events:` every PipelinedLayer built (traced) appends, per
-action, an Event whose `start` and `end` are `tf.timestamp()` tensors on the cell's device.
-Return them from the traced step to read the times. Outside `record()` nothing is added.
+action, an Event whose `start` and `end` are `tf.timestamp()` tensors on the cell's device:
+`start` when the action's inputs exist, `end` when its outputs do. Return them from the traced
+step to read the times. Outside `record()` nothing is added.
 
-Where the stamps are taken matters. tf.function chains every stateful op that touches no
-resource — `Timestamp` among them — in program order, across devices: a stamp in the step's
-graph waits for the stamp before it, maybe for another device's work. So a cell call stamps
-itself, inside its function (first op; and after its outputs), where that chain is the
-call's own; only an action that is not a call (a kept forward, the gradient of a kept
-forward) is stamped in the step's graph, when its inputs and outputs exist.
+The trace is an observer: it adds stamps beside the program and changes nothing in it (same
+calls, same outputs, kept forwards still inline). One subtlety: tf.function chains every
+stateful op that touches no resource (`Timestamp` among them) in program order, across
+devices, so a plain stamp would wait for the stamp before it, maybe for another device's work.
+Each stamp is therefore a small function call that takes a resource it only holds (a per-device
+anchor handle, never read or written): calls on a read-only resource are not chained.
 """
 
 import collections
@@ -21,6 +22,7 @@ import tensorflow as tf
 Event = collections.namedtuple('Event', ['phase', 'stage', 'micro_batch', 'start', 'end'])
 
 _local = threading.local()
+_anchors = {}  # device -> anchor variable
 
 
 @contextlib.contextmanager
@@ -38,21 +40,38 @@ def recording():
     return getattr(_local, 'events', None) is not None
 
 
-def note_stamps(start, end):
-    """The (start, end) stamps taken inside the call that `end()` will record next."""
-    _local.inner = (start, end)
+def _anchor(device):
+    """A resource handle on `device` that is never read or written (no variable: creating one
+    would make tf.function trace the step twice)."""
+    if device not in _anchors:
+        with tf.init_scope(), tf.device(device):
+            _anchors[device] = tf.raw_ops.VarHandleOp(
+                dtype=tf.int32, shape=[], shared_name=f'tf_gpipe_trace_anchor_{len(_anchors)}'
+            )
+    return _anchors[device]
 
 
-def _tensors(structure):
-    return [t for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor)]
+@tf.function(autograph=False)
+def _stamp(anchor, token):
+    del anchor  # held, never used: see the module docstring
+    with tf.control_dependencies([token]):
+        return tf.timestamp()
 
 
-def start(inputs):
-    """A token for `end` (None when not recording): the action's inputs."""
-    if getattr(_local, 'events', None) is None:
+def stamp_after(structure, device):
+    """A timestamp taken on `device` once every tensor of `structure` exists."""
+    tensors = [t for t in tf.nest.flatten(structure, expand_composites=True) if t is not None]
+    with tf.device(device):
+        with tf.control_dependencies([t for t in tensors if isinstance(t, tf.Tensor)]):
+            token = tf.zeros([])
+        return _stamp(_anchor(device), token)
+
+
+def start(inputs, device):
+    """A token for `end` (None when not recording or in eager mode): the start stamp."""
+    if not recording() or tf.executing_eagerly():
         return None
-    _local.inner = None
-    return (inputs,)
+    return stamp_after(inputs, device), device
 
 
 def end(token, phase, stage, micro_batch, outputs):
@@ -60,12 +79,9 @@ def end(token, phase, stage, micro_batch, outputs):
     events = getattr(_local, 'events', None)
     if events is None or token is None:
         return
-    inner = getattr(_local, 'inner', None)
-    _local.inner = None
-    if inner is None:  # not a call: stamps when the inputs, then the outputs, exist
-        with tf.control_dependencies(_tensors(token[0])):
-            t_start = tf.timestamp()
-        with tf.control_dependencies(_tensors(outputs)):
-            t_end = tf.timestamp()
-        inner = (t_start, t_end)
-    events.append(Event(phase, stage, micro_batch, *inner))
+    t_start, device = token
+    # After the start stamp too: both wait for tensors that may exist at once, and the two stamp
+    # calls could otherwise run in either order.
+    events.append(
+        Event(phase, stage, micro_batch, t_start, stamp_after((outputs, t_start), device))
+    )

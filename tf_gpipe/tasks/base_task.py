@@ -67,6 +67,19 @@ def TokenXentMetrics(softmax, logits, labels, weights):
     return xent, tf.reduce_sum(correct) / tf.maximum(xent.total_weight, 1.0)
 
 
+class TokenLossMixin:
+    """For tasks whose targets are NestedMap(labels, weights) of token positions and whose
+    `_Softmax()` is the network's softmax layer: the token-weighted loss and its metrics."""
+
+    def MicroBatchLoss(self, logits, targets):
+        xent = self._Softmax().XentLoss(logits, targets.labels, targets.weights)
+        return xent.avg_xent, xent.total_weight  # a token mean: weighted by tokens
+
+    def _TokenMetrics(self, logits, targets):
+        """(xent NestedMap, accuracy) of the whole batch."""
+        return TokenXentMetrics(self._Softmax(), logits, targets.labels, targets.weights)
+
+
 class BaseTask(base_layer.BaseLayer):
     """Subclasses build `self.network` (a PipelinedLayer) and say how a batch feeds it:
     `NetworkInputs(batch)` -> (inputs, targets), `MicroBatchLoss(outputs, targets)` (one

@@ -5,7 +5,7 @@ from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.tasks import base_task
 
 
-class LanguageModel(base_task.BaseTask):
+class LanguageModel(base_task.TokenLossMixin, base_task.BaseTask):
     """Predicts token t+1 from tokens <= t. Batch: NestedMap(ids, labels, weights) [B, T]."""
 
     @classmethod
@@ -80,13 +80,7 @@ class LanguageModel(base_task.BaseTask):
     def _Softmax(self):
         return self.network.cells[-1].sub[-1]
 
-    def MicroBatchLoss(self, logits, targets):
-        xent = self._Softmax().XentLoss(logits, targets.labels, targets.weights)
-        return xent.avg_xent, xent.total_weight  # a token mean: weighted by tokens
-
     def Metrics(self, logits, targets):
-        xent, accuracy = base_task.TokenXentMetrics(
-            self._Softmax(), logits, targets.labels, targets.weights
-        )
+        xent, accuracy = self._TokenMetrics(logits, targets)
         metrics = NestedMap(loss=xent.avg_xent, accuracy=accuracy, log_pplx=xent.avg_xent)
         return NestedMap(loss=xent.avg_xent, metrics=metrics)

@@ -138,7 +138,7 @@ class MtOutputLayer(_MtLayer):
         )
 
 
-class TranslationModel(base_task.BaseTask):
+class TranslationModel(base_task.TokenLossMixin, base_task.BaseTask):
     """Encoder-decoder Transformer; batch NestedMap(src_ids, src_paddings, tgt_ids,
     tgt_paddings, labels, weights)."""
 
@@ -213,14 +213,8 @@ class TranslationModel(base_task.BaseTask):
     def _Softmax(self):
         return self.network.cells[-1].sub[-1].softmax
 
-    def MicroBatchLoss(self, logits, targets):
-        xent = self._Softmax().XentLoss(logits, targets.labels, targets.weights)
-        return xent.avg_xent, xent.total_weight  # a token mean: weighted by tokens
-
     def Metrics(self, logits, targets):
-        xent, accuracy = base_task.TokenXentMetrics(
-            self._Softmax(), logits, targets.labels, targets.weights
-        )
+        xent, accuracy = self._TokenMetrics(logits, targets)
         return NestedMap(
             loss=xent.avg_xent, metrics=NestedMap(loss=xent.avg_xent, accuracy=accuracy)
         )

@@ -1,0 +1,92 @@
+"""Zero-bubble's B/W split on a kept forward: exact, and W is local (one op per weight use)."""
+
+import numpy as np
+import tensorflow as tf
+
+from tf_gpipe.gpipe import weight_gradients
+
+
+def _variables():
+    tf.random.set_seed(3)
+    ws = [tf.Variable(tf.random.normal([6, 6]) * 0.5, name=f'w{i}') for i in range(4)]
+    bias = tf.Variable(tf.random.normal([6]), name='bias')
+    emb = tf.Variable(tf.random.normal([10, 6]), name='emb')
+    return ws, bias, emb
+
+
+def _forward(x, ids, ws, bias, emb):
+    h = x + tf.gather(emb, ids)  # a gather: not split, B computes it
+    for w in ws:
+        h = tf.tanh(h @ w + bias)  # bias used four times
+    h = h @ ws[0]  # ws[0] used again, fed by its first use
+    h = tf.cast(h, tf.bfloat16) @ tf.cast(ws[1], tf.bfloat16)  # a use through a cast
+    return tf.cast(h, tf.float32)
+
+
+def test_split_backward_equals_the_tape_and_w_is_local():
+    ws, bias, emb = _variables()
+    variables = ws + [bias, emb]
+    x = tf.random.normal([5, 6])
+    ids = tf.constant([1, 2, 1, 1, 7])
+    dy = tf.random.normal([5, 6])
+
+    @tf.function
+    def run():
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape(persistent=True) as tape:
+            tape.watch(x)
+            first = len(graph.get_operations())
+            y = _forward(x, ids, ws, bias, emb)
+            ops = graph.get_operations()[first:]
+        want = tape.gradient(y, [x] + variables, output_gradients=dy)
+        uses = weight_gradients.Uses(ops, variables)
+        points = uses.Tensors()
+        b = tape.gradient(y, [x] + points + uses.unsplit, output_gradients=dy)
+        before = len(graph.get_operations())
+        w = uses.WeightGradients(b[1 : 1 + len(points)])
+        w_ops = graph.get_operations()[before:]
+        got = dict((v.ref(), g) for v, g in w)
+        got.update((v.ref(), g) for v, g in zip(uses.unsplit, b[1 + len(points) :]))
+        grads = [b[0]] + [tf.convert_to_tensor(got[v.ref()]) for v in variables]
+        # Ops W really runs: those its gradients depend on (TF prunes the rest).
+        needed, stack = set(), [tf.convert_to_tensor(g).op for _, g in w]
+        while stack:
+            op = stack.pop()
+            if op in needed or op not in set(w_ops):
+                continue
+            needed.add(op)
+            stack += [t.op for t in op.inputs] + list(op.control_inputs)
+        matmuls = sum(op.type in ('MatMul', 'BatchMatMulV2') for op in needed)
+        return want, grads, matmuls, [v.name for v in uses.unsplit]
+
+    want, got, matmuls, unsplit = run()
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(tf.convert_to_tensor(b), tf.convert_to_tensor(a), rtol=2e-2)
+    # ws[0] twice, ws[1] twice (once through a cast), ws[2], ws[3]: one weight matmul per use.
+    assert int(matmuls) == 6
+    assert unsplit == ['emb:0']
+
+
+def test_float32_split_is_exact_to_1e6():
+    ws, bias, _ = _variables()
+    variables = ws + [bias]
+    x = tf.random.normal([5, 6])
+    dy = tf.random.normal([5, 6])
+
+    @tf.function
+    def run():
+        graph = tf.compat.v1.get_default_graph()
+        with tf.GradientTape(persistent=True) as tape:
+            first = len(graph.get_operations())
+            h = x
+            for w in ws + ws[::-1]:  # every weight used twice, chained through the other uses
+                h = tf.tanh(h @ w + bias)
+            ops = graph.get_operations()[first:]
+        want = tape.gradient(h, variables, output_gradients=dy)
+        uses = weight_gradients.Uses(ops, variables)
+        points = tape.gradient(h, uses.Tensors(), output_gradients=dy)
+        return want, [g for _, g in uses.WeightGradients(points)]
+
+    want, got = run()
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
