@@ -450,6 +450,8 @@ def test_a_keras_model_inside_a_sequential_gets_every_gradient():
     y = tf.constant([0, 1, 2, 1] * 4)
     plain = stack()
     want_loss, want = tf.function(lambda: _gradients(plain, x, y, m=2))()
+    with pytest.raises(ValueError, match=r"functional model inside the Sequential \('mobilenet"):
+        GPipe(stack(), num_partitions=4)  # 3 layers: the backbone is one
     pipe = GPipe(stack(), num_partitions=2, num_micro_batches=2, recompute='always')
     assert len(pipe.trainable_variables) == len(plain.trainable_variables) == 158
     loss, got = tf.function(lambda: _gradients(pipe, x, y))()

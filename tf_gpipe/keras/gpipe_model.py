@@ -412,6 +412,14 @@ def _splits(layers, num_partitions, balance, devices):
             from tf_gpipe import cluster
 
             num_partitions = cluster.current_mesh().num_stages
+    nested = [layer.name for layer in layers if isinstance(layer, keras.Model)]
+    if num_partitions > n and nested:
+        # The PipelinedLayer would say K > layers; a Keras user needs to hear why there are few.
+        raise ValueError(
+            f'num_partitions={num_partitions} is larger than the number of layers ({n}): a '
+            f'functional model inside the Sequential ({", ".join(repr(x) for x in nested)}) '
+            f'is one layer and is not cut (nested Sequentials are). Use num_partitions <= {n}.'
+        )
     return num_partitions, None  # K is checked against the layers by the PipelinedLayer
 
 
