@@ -45,13 +45,15 @@ def test_each_schedules_peak_follows_its_high_water_mark():
         '--layers=12',
         '--width=128',
         '--batch_size=4096',
-        '--num_micro_batches=8',
+        # M=4: a micro-batch's activations (6 MiB) well above the allocator's step-to-step
+        # noise (about 1 MiB here), which at M=8 made the fit a coin toss under load.
+        '--num_micro_batches=4',
         '--activation=RELU',
         '--policies=never',
         '--schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble',
     )
     by = {r['setting'].split()[0]: r for r in rows}
-    assert by['1f1b']['high_water'] == 1 and by['gpipe']['high_water'] == 8
+    assert by['1f1b']['high_water'] == 1 and by['gpipe']['high_water'] == 4
     # zero_bubble: one stored micro-batch, plus its gradients at the weights' uses from B to W.
     assert by['zero_bubble']['activation_units'] == 2
     assert by['1f1b']['peak_bytes'] <= 0.5 * by['gpipe']['peak_bytes'], rows

@@ -44,3 +44,30 @@ def test_unknown_key_names_the_closest():
 def test_only_model_params_classes_register():
     with pytest.raises(TypeError, match='not a SingleTaskModelParams subclass'):
         model_registry.RegisterSingleTaskModel(object)
+
+
+def test_a_user_file_at_a_built_in_path_loads_beside_it(tmp_path):
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    (tmp_path / 'lm').mkdir()
+    (tmp_path / 'lm' / 'synthetic.py').write_text(_USER_FILE.replace('MyLm', 'MyOtherLm'))
+    model_registry.LoadParamsDir(str(tmp_path))
+    keys = model_registry.GetAllRegisteredKeys()
+    assert 'lm.synthetic.MyOtherLm' in keys and 'lm.synthetic.TransformerLmTiny' in keys
+
+
+def test_a_key_defined_twice_names_both_files(tmp_path):
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    (tmp_path / 'lm').mkdir()
+    user = tmp_path / 'lm' / 'synthetic.py'
+    user.write_text(_USER_FILE.replace('MyLm', 'TransformerLmTiny'))
+    builtin = os.path.join(ROOT, 'params', 'lm', 'synthetic.py')
+    with pytest.raises(ValueError, match='lm.synthetic.TransformerLmTiny is defined twice') as e:
+        model_registry.LoadParamsDir(str(tmp_path))
+    assert builtin in str(e.value) and str(user) in str(e.value)
+    assert model_registry._SOURCES['lm.synthetic.TransformerLmTiny'] == builtin  # untouched
+    # Twice in one file: the same error, naming the file.
+    other = tmp_path / 'other'
+    (other / 'mytask').mkdir(parents=True)
+    (other / 'mytask' / 'dup.py').write_text(_USER_FILE + _USER_FILE.split('\n', 2)[2])
+    with pytest.raises(ValueError, match=r'mytask.dup.MyLm is defined twice: in .*dup.py\.'):
+        model_registry.LoadParamsDir(str(other))

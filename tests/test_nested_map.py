@@ -62,3 +62,9 @@ def test_tf_nest_and_tf_function_keep_the_type():
     res = f(m)
     assert isinstance(res, NestedMap)
     assert res.s.numpy().tolist() == [2.0, 2.0]
+
+
+def test_filter_goes_into_lists_and_drops_what_is_left_empty():
+    m = NestedMap(a=[1, 5, NestedMap(x=7, y=0)], b=NestedMap(c=[0, 1]), d=(9, 0), e=3)
+    assert m.Filter(lambda v: v > 2) == NestedMap(a=[5, NestedMap(x=7)], d=(9,), e=3)
+    assert m.Filter(lambda v: v > 100) == NestedMap()

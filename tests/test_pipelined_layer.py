@@ -323,6 +323,9 @@ def test_cell_tpl_and_splits():
     _assert_close(_loss_and_grads(pipe, inputs), _loss_and_grads(_plain(sub), inputs))
     split = _pipe(sub, 1, 2, 'always', splits=[1, 5, 6])
     assert split.num_cells == 3 and [len(c.sub) for c in split.cells] == [1, 4, 1]
+    # splits and a num_partitions that disagree: refused, not 3 cells silently.
+    with pytest.raises(ValueError, match=r'makes 3 cells, but num_partitions=2 .* set num_'):
+        _pipe(sub, 2, 2, 'always', splits=[1, 5, 6])
 
 
 def test_partition_by_flops_and_table():

@@ -50,6 +50,9 @@ def test_train_eval_resume(tmp_path):
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert 'steps/s' in run.stderr and 'examples/s' in run.stderr
+    # Progress: the tracing announced, then percentage and ETA on each log line.
+    assert 'Tracing the training step' in run.stderr and 'First step done in' in run.stderr
+    assert '  50%  ETA ' in run.stderr and '  100%' in run.stderr
     assert sorted(os.path.basename(p) for p in glob.glob(f'{logdir}/checkpoints/ckpt-*.index')) == [
         'ckpt-20.index',
         'ckpt-40.index',

@@ -2,18 +2,23 @@
 
 Params files are not a package of ours: `LoadParamsDir(dir)` imports every `<task>/<file>.py`
 under a directory (the checkout's `params/` or a user's --params_dir) by path, and the
-`@RegisterSingleTaskModel` decorator records each class under its key.
+`@RegisterSingleTaskModel` decorator records each class under its key. Files are told apart by
+their path, so a user's `lm/synthetic.py` loads beside the built-in one; a key defined in two
+files is an error that names both (nothing is silently replaced).
 """
 
 import difflib
+import hashlib
 import importlib.util
+import inspect
 import os
 import sys
 
 from tf_gpipe import base_model_params
 
 _REGISTRY = {}
-_LOADING = []  # (task, file) of the params file being imported, innermost last
+_SOURCES = {}  # key -> the file that defined it
+_LOADING = []  # (task, file, path) of the params file being imported, innermost last
 
 
 def RegisterSingleTaskModel(cls):
@@ -21,15 +26,30 @@ def RegisterSingleTaskModel(cls):
     if not (isinstance(cls, type) and issubclass(cls, base_model_params.SingleTaskModelParams)):
         raise TypeError(f'{cls!r} is not a SingleTaskModelParams subclass.')
     if _LOADING:
-        task, file = _LOADING[-1]
+        task, file, path = _LOADING[-1]
     else:  # Imported as a module: use its last two package components.
         parts = cls.__module__.split('.')
         task, file = (parts[-2], parts[-1]) if len(parts) >= 2 else ('default', parts[-1])
+        path = _source(cls)
     key = f'{task}.{file}.{cls.__name__}'
-    if key in _REGISTRY and _REGISTRY[key].__qualname__ != cls.__qualname__:
-        raise ValueError(f'Model key {key} is registered twice.')
+    if key in _REGISTRY and (
+        _SOURCES[key] != path or (_LOADING and _REGISTRY[key].__module__ == cls.__module__)
+    ):
+        where = f'in {_SOURCES[key]} and in {path}' if _SOURCES[key] != path else f'in {path}'
+        raise ValueError(
+            f'Model key {key} is defined twice: {where}. Rename one of the classes (or '
+            'files): a key names one model.'
+        )
     _REGISTRY[key] = cls
+    _SOURCES[key] = path
     return cls
+
+
+def _source(cls):
+    try:
+        return os.path.abspath(inspect.getsourcefile(cls) or cls.__module__)
+    except TypeError:  # defined interactively
+        return cls.__module__
 
 
 def LoadParamsDir(params_dir):
@@ -44,17 +64,22 @@ def LoadParamsDir(params_dir):
             if not name.endswith('.py') or name.startswith('_'):
                 continue
             file = name[:-3]
-            module_name = f'tf_gpipe_params.{task}.{file}'
+            path = os.path.abspath(os.path.join(task_dir, name))
+            # One module per file path: a user's lm/synthetic.py is not the built-in one.
+            digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+            module_name = f'tf_gpipe_params.{task}.{file}_{digest}'
             if module_name in sys.modules:
                 continue
-            spec = importlib.util.spec_from_file_location(module_name, os.path.join(task_dir, name))
+            spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
-            _LOADING.append((task, file))
+            _LOADING.append((task, file, path))
             try:
                 spec.loader.exec_module(module)
             except Exception:
                 del sys.modules[module_name]
+                for key in [k for k, source in _SOURCES.items() if source == path]:
+                    del _REGISTRY[key], _SOURCES[key]  # a fixed file can be loaded again
                 raise
             finally:
                 _LOADING.pop()

@@ -92,16 +92,9 @@ class NestedMap(dict):
         return tf.nest.map_structure(fn, self)
 
     def Filter(self, fn):
-        """A NestedMap with only the leaves for which fn(leaf) is true (empty maps dropped)."""
-        out = NestedMap()
-        for key, value in self.items():
-            if isinstance(value, NestedMap):
-                sub = value.Filter(fn)
-                if sub:
-                    out[key] = sub
-            elif fn(value):
-                out[key] = value
-        return out
+        """A NestedMap with only the leaves for which fn(leaf) is true. Lists and tuples are
+        filtered element by element, as Lingvo does; maps and sequences left empty are dropped."""
+        return _filtered(self, fn) or NestedMap()
 
     def IsCompatible(self, other):
         """True when `other` has the same nested structure."""
@@ -110,6 +103,23 @@ class NestedMap(dict):
         except (ValueError, TypeError):
             return False
         return True
+
+
+def _filtered(value, fn):
+    """`value` with only the leaves fn accepts; None when nothing is left (a leaf or container)."""
+    if isinstance(value, dict):
+        out = type(value)() if isinstance(value, NestedMap) else {}
+        for key, item in value.items():
+            kept = _filtered(item, fn)
+            if kept is not None:
+                out[key] = kept
+        return out or None
+    if isinstance(value, (list, tuple)):
+        kept = [k for k in (_filtered(item, fn) for item in value) if k is not None]
+        if not kept:
+            return None
+        return tuple(kept) if isinstance(value, tuple) else kept  # a namedtuple loses fields
+    return value if fn(value) else None
 
 
 def _items_with_paths(value, prefix):

@@ -168,6 +168,14 @@ class PipelinedLayer(base_layer.BaseLayer):
             raise ValueError(f'{p.name}: sub is empty.')
         if p.splits is not None:
             splits = partition.check_splits(list(p.splits), len(sub))
+            cells_wanted = p.num_partitions * p.virtual_stages
+            if p.num_partitions != 1 and len(splits) != cells_wanted:
+                raise ValueError(
+                    f'{p.name}: splits={list(p.splits)} makes {len(splits)} cells, but '
+                    f'num_partitions={p.num_partitions} x virtual_stages={p.virtual_stages} '
+                    f'asks for {cells_wanted}. Give {cells_wanted} splits, or set '
+                    f'num_partitions={len(splits) // p.virtual_stages}.'
+                )
         else:
             # Before costing: partition_by='time' would run every layer first.
             num_cells = p.num_partitions * p.virtual_stages

@@ -14,6 +14,7 @@ from absl import logging
 from tf_gpipe import fprop_context, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer, partition
 from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.trainer import checks
 
 NONFINITE_POLICIES = ('stop', 'skip')
 
@@ -65,6 +66,7 @@ class Trainer:
         the pipeline on that mesh); idempotent."""
         if self._built:
             return
+        checks.CheckParams(self.params.task)
         _check_logdir(self.logdir)
         p = self.params
         self.task = p.task.Instantiate()
@@ -174,10 +176,16 @@ class Trainer:
         step = int(self.global_step)
         last, start, start_step, first = {}, time.time(), step, step + 1
         logging.info('Training from step %d to %d.', step, tp.max_steps)
+        if step < tp.max_steps and not self._train_step.experimental_get_tracing_count():
+            logging.info('Tracing the training step (all cells and micro-batches) ...')
+        traced_at = None  # when the first step ended: the ETA leaves the tracing out
         with _StopSignals() as stop:
             while step < tp.max_steps and not stop.signal:
                 out = self._train_step()
                 step = int(self.global_step)
+                if traced_at is None:
+                    traced_at = time.time()
+                    logging.info('First step done in %.1f s (tracing included).', traced_at - start)
                 if not bool(out.finite):
                     self._NonFinite(step, out)
                 if step % tp.log_interval_steps == 0 or step in (first, tp.max_steps):
@@ -196,7 +204,7 @@ class Trainer:
                         for name, value in last.items():
                             tf.summary.scalar(name, value)
                     logging.info(
-                        'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s',
+                        'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s  %s',
                         step,
                         last['loss'],
                         '  '.join(
@@ -204,6 +212,7 @@ class Trainer:
                         ),
                         steps_per_sec,
                         examples_per_sec,
+                        _progress(step, first, tp.max_steps, time.time() - traced_at),
                     )
                     start, start_step = time.time(), step
                 if step % tp.save_interval_steps == 0:
@@ -272,6 +281,7 @@ def InspectModel(task_p, input_p=None):
 
     With the training input's params, activations are estimated for its real batch shape.
     """
+    checks.CheckParams(task_p)
     network_p = task_p.cls.NetworkParams(task_p).Copy()
     if input_p is not None and task_p.cls.InputShape(task_p, input_p) is not None:
         network_p.input_shape = task_p.cls.InputShape(task_p, input_p)
@@ -302,6 +312,16 @@ def InspectModel(task_p, input_p=None):
     shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
     lines.append(f'total parameters: {total:,}  (activation estimate for input shape {shape})')
     return '\n'.join(lines), total
+
+
+def _progress(step, first, max_steps, seconds_since_first):
+    """'37%  ETA 1m12s' from the pace since the first step (which includes the tracing)."""
+    done = f'{100 * step / max(max_steps, 1):.0f}%'
+    if step <= first or seconds_since_first <= 0:
+        return done
+    left = (max_steps - step) * seconds_since_first / (step - first)
+    minutes, seconds = divmod(int(round(left)), 60)
+    return f'{done}  ETA {minutes}m{seconds:02d}s' if minutes else f'{done}  ETA {seconds}s'
 
 
 def _check_logdir(logdir):

@@ -1,0 +1,74 @@
+"""trainer.checks: every bad loop, learner and pipeline value is refused before any work, all at
+once, by its full name."""
+
+import os
+
+import pytest
+
+from tf_gpipe import hyperparams, model_registry
+from tf_gpipe.trainer import checks, trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = 'lm.synthetic.TransformerLmTiny'
+
+
+def _task(overrides=''):
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    model = model_registry.GetClass(MODEL)()
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    hyperparams.apply_overrides(p, overrides)
+    return p
+
+
+def test_the_demo_model_passes():
+    checks.CheckParams(_task().task)
+
+
+@pytest.mark.parametrize(
+    'override,message',
+    [
+        ('task.train.max_steps=-5', 'task.train.max_steps=-5 must be int >= 0'),
+        ('task.train.log_interval_steps=0', 'task.train.log_interval_steps=0 must be int >= 1'),
+        ('task.train.save_interval_steps=0', 'task.train.save_interval_steps=0 must be int >= 1'),
+        ('task.learner.learning_rate=1e999', 'task.learner.learning_rate=inf must be a finite'),
+        ('task.learner.learning_rate=-0.1', 'task.learner.learning_rate=-0.1 must be a finite'),
+        ('task.learner.beta2=1.0', r'task.learner.beta2=1.0 must be in \[0, 1\)'),
+        ('task.pipeline.num_micro_batches=0', 'task.pipeline.num_micro_batches=0 must be int'),
+        ('task.pipeline.recompute=sometimes', "Unknown recompute 'sometimes'"),
+        ('task.pipeline.schedule=1fb1', "Unknown schedule '1fb1' \\(did you mean '1f1b'"),
+    ],
+)
+def test_a_bad_value_is_named(override, message):
+    with pytest.raises(ValueError, match=message):
+        checks.CheckParams(_task(override).task)
+
+
+def test_every_problem_at_once_before_the_logdir_is_made(tmp_path):
+    p = _task('task.train.max_steps=-5; task.train.log_interval_steps=0')
+    with pytest.raises(ValueError, match=r'Bad params \(2\)') as info:
+        trainer.Trainer(p, str(tmp_path / 'run')).Build()
+    assert 'max_steps=-5' in str(info.value) and 'log_interval_steps=0' in str(info.value)
+    assert not (tmp_path / 'run').exists()
+
+
+def test_inspect_model_checks_too():
+    p = _task('task.pipeline.num_micro_batches=0; task.pipeline.recompute=sometimes')
+    with pytest.raises(ValueError, match=r'Bad params \(2\)'):
+        trainer.InspectModel(p.task, p.train)
+
+
+def test_a_nan_set_in_a_params_file_is_named():
+    p = _task()
+    p.task.learner.learning_rate = float('nan')  # as a params file's Task() could set it
+    with pytest.raises(ValueError, match='task.learner.learning_rate=nan must be a finite'):
+        checks.CheckParams(p.task)
+
+
+def test_every_registered_model_passes():
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    built_in = [
+        k for k in model_registry.GetAllRegisteredKeys() if k.startswith(('lm.', 'mt.', 'image.'))
+    ]
+    assert len(built_in) >= 5, built_in
+    for key in built_in:
+        checks.CheckParams(model_registry.GetClass(key)().Task())

@@ -1,0 +1,69 @@
+"""Every training, loop and pipeline value checked before any work starts.
+
+`CheckParams(p)` runs in train, eval and inspect alike, and reports every bad value at once,
+each with its full name and what would be accepted, instead of letting one reach a step (a
+negative `max_steps` that "trains" to -5, an interval of 0 that divides by zero, a NaN
+learning rate applied once before the divergence check).
+"""
+
+import difflib
+import math
+
+from tf_gpipe.gpipe import RECOMPUTE_POLICIES, schedules
+
+
+def _at_least(problems, name, value, low, kind=int):
+    if not isinstance(value, kind) or isinstance(value, bool) or value < low:
+        problems.append(f'{name}={value!r} must be {kind.__name__} >= {low}')
+
+
+def _positive_number(problems, name, value, allow_zero=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        problems.append(f'{name}={value!r} must be a finite number {">=" if allow_zero else ">"} 0')
+
+
+def _problems(task_p):
+    problems = []
+    train = task_p.train
+    _at_least(problems, 'task.train.max_steps', train.max_steps, 0)
+    for name in (
+        'log_interval_steps',
+        'save_interval_steps',
+        'eval_interval_steps',
+        'eval_steps',
+        'max_checkpoints_to_keep',
+    ):
+        _at_least(problems, f'task.train.{name}', train.Get(name), 1)
+    learner = task_p.learner
+    _positive_number(problems, 'task.learner.learning_rate', learner.learning_rate)
+    _positive_number(problems, 'task.learner.epsilon', learner.epsilon)
+    for name in ('clip_gradient_norm', 'l2_regularizer_weight'):
+        _positive_number(problems, f'task.learner.{name}', learner.Get(name), allow_zero=True)
+    for name in ('warmup_steps', 'total_steps'):
+        _at_least(problems, f'task.learner.{name}', learner.Get(name), 0)
+    for name in ('beta1', 'beta2', 'momentum'):
+        value = learner.Get(name)
+        if not isinstance(value, (int, float)) or not 0 <= value < 1:
+            problems.append(f'task.learner.{name}={value!r} must be in [0, 1)')
+    pipe = task_p.pipeline
+    for name in ('num_partitions', 'num_micro_batches', 'virtual_stages', 'num_replicas'):
+        _at_least(problems, f'task.pipeline.{name}', pipe.Get(name), 1)
+    for name, allowed in (('recompute', RECOMPUTE_POLICIES), ('schedule', schedules.SCHEDULES)):
+        value = pipe.Get(name)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1)
+            hint = f' (did you mean {close[0]!r}?)' if close else ''
+            problems.append(
+                f'Unknown {name} {value!r}{hint}: task.pipeline.{name} is one of {allowed}'
+            )
+    return problems
+
+
+def CheckParams(task_p):
+    """Raises one ValueError that lists every bad value of the task's loop, learner and
+    pipeline settings (nothing is built)."""
+    problems = _problems(task_p)
+    if problems:
+        lines = '\n  '.join(problems)
+        raise ValueError(f'Bad params ({len(problems)}):\n  {lines}\nFix them and run again.')
