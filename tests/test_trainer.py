@@ -80,7 +80,7 @@ def test_train_eval_resume(tmp_path):
     assert os.path.exists(f'{logdir}/checkpoints/ckpt-50.index')
 
 
-def test_inspect_and_errors():
+def test_inspect_and_errors(tmp_path):
     params = _trainer(
         f'--model={MODEL}',
         '--mode=inspect_params',
@@ -106,6 +106,19 @@ def test_inspect_and_errors():
         '--params_override=task.pipeline.num_micro_batches=many',
     )
     assert wrong_type.returncode == 1 and 'expects an int' in wrong_type.stderr
+    zero = _trainer(
+        f'--model={MODEL}',
+        '--mode=inspect_model',
+        '--params_override=task.pipeline.num_micro_batches=0',
+    )
+    assert zero.returncode == 1 and 'num_micro_batches=0 must be int >= 1' in zero.stderr
+    assert 'Traceback' not in zero.stderr
+    # Too few devices: the advice is this command's flag, not the library call.
+    few = _trainer(
+        f'--model={MODEL}', f'--logdir={tmp_path}', '--num_logical_cpus=2', '--max_steps=1'
+    )
+    assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
+    assert 'cluster.logical_cpus' not in few.stderr
 
 
 def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):

@@ -9,6 +9,7 @@ Modes: train | eval | train_and_eval | inspect_params | inspect_model. Checkpoin
 """
 
 import os
+import re
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -86,6 +87,16 @@ def _connect():
     return cluster.use_mesh(mesh)
 
 
+def _for_this_command(error):
+    """The library's advice in this command's terms: `cluster.logical_cpus(8)` (a call to make
+    before TF initialises) is the flag --num_logical_cpus=8 here."""
+    return re.sub(
+        r'cluster\.logical_cpus\((\d+)\)(?: before (?:TF initialises|anything else touches TF))?',
+        r'--num_logical_cpus=\1',
+        str(error),
+    )
+
+
 def main(argv):
     del argv
     if not MODEL.value:
@@ -102,7 +113,10 @@ def main(argv):
         print(p.ToText(), end='')
         return
     if MODE.value == 'inspect_model':
-        table, _ = trainer.InspectModel(p.task, p.train)
+        try:
+            table, _ = trainer.InspectModel(p.task, p.train)
+        except ValueError as e:
+            sys.exit(f'trainer: {_for_this_command(e)}')
         print(table)
         return
     if not LOGDIR.value:
@@ -121,7 +135,8 @@ def main(argv):
             last = t.Train(eval_too=MODE.value == 'train_and_eval')
             logging.info('Done: %s', last)
     except (RuntimeError, FloatingPointError, ValueError) as e:
-        sys.exit(f'trainer: {e}')  # diverged, bad logdir, unreadable or foreign checkpoint
+        # Diverged, bad params, bad logdir, too few devices, unreadable or foreign checkpoint.
+        sys.exit(f'trainer: {_for_this_command(e)}')
     except tf.errors.UnavailableError as e:
         sys.exit(
             f'trainer: a TF worker is unreachable ({str(e).splitlines()[0][:300]}). Restart it '
