@@ -119,6 +119,10 @@ def test_inspect_and_errors(tmp_path):
     )
     assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
     assert 'cluster.logical_cpus' not in few.stderr
+    for spec, why in (('127.0.0.1:2222', 'is not job=host:port'), ('worker=h0', "'h0' is not")):
+        malformed = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', f'--cluster_spec={spec}')
+        assert malformed.returncode == 1 and why in malformed.stderr, malformed.stderr[-2000:]
+        assert "Expected e.g. --cluster_spec='worker=127.0.0.1:2222" in malformed.stderr
 
 
 def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):

@@ -69,12 +69,15 @@ def _connect():
         return cluster.use_mesh(mesh)
     spec = None
     if CLUSTER_SPEC.value:
-        spec = {}
-        for job in CLUSTER_SPEC.value.split(';'):
-            name, hosts = job.split('=', 1)
-            spec[name.strip()] = hosts.split(',')
+        spec = _parse_cluster_spec(CLUSTER_SPEC.value)
     elif 'TF_CONFIG' in os.environ:
-        spec = json.loads(os.environ['TF_CONFIG'])['cluster']
+        try:
+            spec = json.loads(os.environ['TF_CONFIG'])['cluster']
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(
+                f'TF_CONFIG has no readable cluster ({type(e).__name__}: {e}). Expected e.g. '
+                '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}}.'
+            ) from None
     if spec is None:
         return None
     if 'client' not in spec:  # this process joins as the client, on a free local port
@@ -85,6 +88,31 @@ def _connect():
     mesh = cluster.DeviceMesh.from_cluster(spec)
     logging.info('Connected to the cluster; %s', mesh)
     return cluster.use_mesh(mesh)
+
+
+_EXAMPLE_SPEC = "--cluster_spec='worker=127.0.0.1:2222,127.0.0.1:2223'"
+
+
+def _parse_cluster_spec(text):
+    """{job: [host:port, ...]} from 'job=h:p,h:p;job2=...'; a malformed one says how it
+    should look."""
+    spec = {}
+    for job in filter(None, (j.strip() for j in text.split(';'))):
+        name, sep, hosts = job.partition('=')
+        addresses = [h.strip() for h in hosts.split(',') if h.strip()]
+        bad = [a for a in addresses if not re.fullmatch(r'[\w.\-\[\]:]+:\d+', a)]
+        if not sep or not name.strip() or not addresses or bad:
+            why = (
+                f'{bad[0]!r} is not host:port' if bad else f'{job!r} is not job=host:port,host:port'
+            )
+            raise ValueError(
+                f'--cluster_spec={text!r} is malformed: {why}. Expected e.g. {_EXAMPLE_SPEC} '
+                "(jobs separated by ';')."
+            )
+        spec[name.strip()] = addresses
+    if not spec:
+        raise ValueError(f'--cluster_spec={text!r} names no job. Expected e.g. {_EXAMPLE_SPEC}.')
+    return spec
 
 
 def _for_this_command(error):
