@@ -50,3 +50,14 @@ def test_paper_scale_lm_is_large():
     task_p, _ = model_registry.GetParams('lm.lm1b.TransformerLmPaper')
     _, total = trainer.InspectModel(task_p)
     assert 1.2e9 < total < 1.4e9
+
+
+@pytest.mark.parametrize(
+    'key,paper',
+    [('image.imagenet.AmoebaNetD', 82e6), ('image.imagenet.AmoebaNetDLarge', 318e6)],
+)
+def test_registered_amoebanet_has_the_papers_size(key, paper):
+    """GPipe paper, Table 1: AmoebaNet-D (18, 208) has 82M parameters, (18, 416) 318M."""
+    task_p, input_p = model_registry.GetParams(key)
+    _, total = trainer.InspectModel(task_p, input_p)
+    assert abs(total / paper - 1) < 0.02, total

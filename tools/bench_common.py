@@ -1,5 +1,9 @@
 """What the benchmark tools share: the model families and a timed Adam/SGD training step."""
 
+import datetime
+import os
+import platform
+import sys
 import time
 
 import numpy as np
@@ -12,7 +16,7 @@ from tf_gpipe.layers.amoebanet import AmoebaNetLayers
 # Model families: the knob grows the model (Transformer layers; AmoebaNet normal cells per stack).
 FAMILIES = {
     'transformer': dict(model_dim=128, num_heads=4, hidden_dim=512, seq_len=128),
-    'amoebanet': dict(filters=16, image_size=32, num_classes=10),
+    'amoebanet': dict(filters=16, image_size=32, num_classes=10, stem_filters=16),
     'fc': dict(width=512),
 }
 
@@ -33,7 +37,9 @@ def family_layers(family, knob, **overrides):
         ]
         return sub, (c['seq_len'], c['model_dim'])
     if family == 'amoebanet':
-        sub = AmoebaNetLayers(3 * knob, c['filters'], c['num_classes'])
+        sub = AmoebaNetLayers(
+            3 * knob, c['filters'], c['num_classes'], stem='cifar', stem_filters=c['stem_filters']
+        )
         return sub, (c['image_size'], c['image_size'], 3)
     sub = [
         layers.FCLayer.Params().Set(
@@ -152,6 +158,16 @@ def median_times(steps, repeats, warmup=2):
         for i, step in enumerate(steps):
             times[i].append(seconds(step))
     return [float(np.median(t)) for t in times]
+
+
+def run_metadata():
+    """Where and how a result was measured: machine, TF version, date, command line."""
+    return dict(
+        machine=f'{platform.machine()} {platform.system()}, {os.cpu_count()} cores',
+        tf_version=tf.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
+        command=' '.join(['python', os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+    )
 
 
 def largest(trial, max_knob, start=1, log=print):

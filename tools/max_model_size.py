@@ -39,6 +39,7 @@ TIMEOUT = flags.DEFINE_integer(
     'trial_timeout', 900, 'Seconds per trial before it counts as failed.'
 )
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 # Internal: run one trial in this process (the parent sets the memory budget in its env).
 TRIAL = flags.DEFINE_string('trial', None, 'Internal: "<setting>:<knob>".')
 
@@ -154,7 +155,12 @@ def main(_):
         num_micro_batches=MICRO.value,
         knob=knob_name,
         rows=rows,
+        **bench_common.run_metadata(),
     )
+    if OUTPUT.value:
+        os.makedirs(os.path.dirname(os.path.abspath(OUTPUT.value)), exist_ok=True)
+        with open(OUTPUT.value, 'w') as f:
+            json.dump(out, f, indent=1)
     if JSON.value:
         print(json.dumps(out))
         return

@@ -8,7 +8,7 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
     """AmoebaNet-D (L=18, D=256) on 32x32 CIFAR-10, K=4, M=8."""
 
     DATA_DIR = None
-    DATASET, NUM_CLASSES, IMAGE_SIZE, STEM_STRIDE = 'cifar10', 10, 32, 1
+    DATASET, NUM_CLASSES, IMAGE_SIZE = 'cifar10', 10, 32
     L, D, K, M, BATCH = 18, 256, 4, 8, 128
 
     def Train(self):
@@ -31,7 +31,7 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             num_cells=self.L,
             filters=self.D,
             image_size=self.IMAGE_SIZE,
-            stem_stride=self.STEM_STRIDE,
+            stem='cifar',
             label_smoothing=0.1,
         )
         p.pipeline.Set(num_partitions=self.K, num_micro_batches=self.M, recompute='except_last')

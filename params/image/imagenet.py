@@ -5,7 +5,7 @@ from tf_gpipe import base_model_params, inputs, model_registry, tasks
 
 @model_registry.RegisterSingleTaskModel
 class AmoebaNetD(base_model_params.SingleTaskModelParams):
-    """AmoebaNet-D (L=18, D=208), 224x224 (stem stride 2), K=4, M=8 — the paper's naive size."""
+    """AmoebaNet-D (L=18, D=208), 224x224, K=4, M=8: the paper's naive model (82M parameters)."""
 
     DATA_DIR = None
     L, D, K, M, BATCH = 18, 208, 4, 8, 256
@@ -30,7 +30,7 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             num_cells=self.L,
             filters=self.D,
             image_size=224,
-            stem_stride=2,
+            stem='imagenet',
             label_smoothing=0.1,
         )
         p.pipeline.Set(num_partitions=self.K, num_micro_batches=self.M, recompute='except_last')
@@ -49,6 +49,6 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
 
 @model_registry.RegisterSingleTaskModel
 class AmoebaNetDLarge(AmoebaNetD):
-    """AmoebaNet-D (L=18, D=416): the paper's Pipeline-1 size, K=8, M=32."""
+    """AmoebaNet-D (L=18, D=416): the paper's Pipeline-1 model (318M parameters), K=8, M=32."""
 
     L, D, K, M = 18, 416, 8, 32

@@ -19,6 +19,7 @@ class AmoebaNetTiny(base_model_params.SingleTaskModelParams):
             num_classes=inputs.SyntheticShapes.NUM_CLASSES,
             num_cells=3,
             filters=8,
+            stem_filters=8,
             image_size=16,
             random_seed=1,
         )

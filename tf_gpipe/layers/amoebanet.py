@@ -1,12 +1,16 @@
-"""AmoebaNet-D cells (Real et al. 2019), the image model of the GPipe paper.
+"""AmoebaNet-D (Real et al. 2019), the image model of the GPipe paper, as a layer sequence.
 
-A cell takes the two previous hidden states (prev, cur) and returns (cur, new), so a stack of
-cells is an ordinary layer sequence that a pipeline can cut anywhere. Inside, both inputs are
-brought to `filters` channels, five pairs of operations each add two results into a new state,
-and the cell's output concatenates some of the states. Reduction cells halve the spatial size
-(their operations on the two inputs use stride 2) and the network doubles `filters` after each.
-The genotype is AmoebaNet-D's as in TensorFlow's reference implementation (which reproduces
-the GPipe paper's parameter counts).
+Follows TensorFlow's reference implementation (tensorflow/tpu models/official/amoeba_net, which
+the paper's Table 1 counts come from): a cell reads the two previous hidden states, brings them
+to `filters` channels, builds five new states, each the sum of two operations, and concatenates
+some of them. State 0 is the cell's latest input, state 1 the one before. 3x3 and 1x7-7x1
+convolutions are bottlenecks (1x1 down to filters/4, the convolution, 1x1 back up); every
+convolution is relu -> conv -> batch norm. Reduction cells use stride 2 on operations that read
+the two inputs, and the network doubles `filters` at each reduction. The ImageNet stem is a
+stride-2 convolution and two reduction cells (filters D/4 and D/2), so the first normal stack
+runs at 1/8 of the image size. A cell maps (prev, cur) -> (cur, new), so a stack of cells is an
+ordinary layer sequence that a pipeline can cut anywhere. Not built: the optional auxiliary
+head and drop-path.
 """
 
 import tensorflow as tf
@@ -14,7 +18,8 @@ import tensorflow as tf
 from tf_gpipe import base_layer
 from tf_gpipe.layers import conv, normalization, pooling
 
-# (input state index, operation), two per new state; then the states concatenated.
+# (state index, operation), two per new state; then the states concatenated. State 0 is the
+# cell's latest input, 1 the input before it (the reference's hiddenstate_indices).
 NORMAL_OPS = [
     (1, 'conv_1x1'), (1, 'max_pool_3x3'),
     (1, 'none'), (0, 'conv_1x7_7x1'),
@@ -31,6 +36,7 @@ REDUCTION_OPS = [
     (2, 'avg_pool_3x3'), (3, 'conv_1x1'),
 ]  # fmt: skip
 REDUCTION_CONCAT = [4, 5, 6]
+STEMS = ('imagenet', 'cifar')
 
 _BN = normalization.BatchNormLayer.Params()
 _CONV = conv.Conv2DLayer.Params().Set(bias=False, activation='NONE')
@@ -40,8 +46,17 @@ def _out_size(size, stride):
     return None if size is None else -(-size // stride)
 
 
+def _sum_metas(metas, out_shapes):
+    return base_layer.Meta(
+        sum(m.flops for m in metas),
+        out_shapes,
+        sum(m.param_count for m in metas),
+        sum(m.activation_bytes for m in metas),
+    )
+
+
 class ReluConvBn(base_layer.BaseLayer):
-    """relu -> one or more convolutions -> batch norm (filter_shapes and strides per conv)."""
+    """A chain of relu -> convolution -> batch norm, one link per filter shape."""
 
     @classmethod
     def Params(cls):
@@ -50,41 +65,33 @@ class ReluConvBn(base_layer.BaseLayer):
         p.Define('strides', [], 'List of (sh, sw), one per filter.')
         return p
 
+    @staticmethod
+    def _Links(p):
+        for i, (f, s) in enumerate(zip(p.filter_shapes, p.strides)):
+            yield (
+                _CONV.Copy().Set(name=f'conv{i}', filter_shape=tuple(f), filter_stride=tuple(s)),
+                _BN.Copy().Set(name=f'bn{i}', dim=f[3]),
+            )
+
     def __init__(self, params):
         super().__init__(params)
-        p = self.params
-        self.CreateChildren(
-            'convs',
-            [
-                _CONV.Copy().Set(name=f'conv{i}', filter_shape=tuple(f), filter_stride=tuple(s))
-                for i, (f, s) in enumerate(zip(p.filter_shapes, p.strides))
-            ],
-        )
-        self.CreateChild('bn', _BN.Copy().Set(name='bn', dim=p.filter_shapes[-1][3]))
+        links = list(self._Links(self.params))
+        self.CreateChildren('convs', [c for c, _ in links])
+        self.CreateChildren('bns', [b for _, b in links])
 
     def FProp(self, x):
-        x = tf.nn.relu(x)
-        for c in self.convs:
-            x = c.FProp(x)
-        return self.bn.FProp(x)
+        for c, b in zip(self.convs, self.bns):
+            x = b.FProp(c.FProp(tf.nn.relu(x)))
+        return x
 
     @classmethod
     def FPropMeta(cls, p, x):
-        shape = base_layer.to_shape(x)
-        flops = params = act = 0
-        for f, s in zip(p.filter_shapes, p.strides):
-            cp = _CONV.Copy().Set(filter_shape=tuple(f), filter_stride=tuple(s))
-            meta = conv.Conv2DLayer.FPropMeta(cp, shape)
-            flops, params, act = (
-                flops + meta.flops,
-                params + meta.param_count,
-                act + meta.activation_bytes,
-            )
-            shape = meta.out_shapes[0]
-        bn = normalization.BatchNormLayer.FPropMeta(_BN.Copy().Set(dim=shape[-1]), shape)
-        return base_layer.Meta(
-            flops + bn.flops, shape, params + bn.param_count, act + bn.activation_bytes
-        )
+        shape, metas = base_layer.to_shape(x), []
+        for cp, bp in cls._Links(p):
+            metas.append(conv.Conv2DLayer.FPropMeta(cp, shape))
+            shape = metas[-1].out_shapes[0]
+            metas.append(normalization.BatchNormLayer.FPropMeta(bp, shape))
+        return _sum_metas(metas, shape)
 
 
 class FactorizedReduce(base_layer.BaseLayer):
@@ -97,25 +104,20 @@ class FactorizedReduce(base_layer.BaseLayer):
         p.Define('out_channels', 0, 'Output channels.')
         return p
 
+    @staticmethod
+    def _ConvParams(p):
+        half = p.out_channels // 2
+        return [
+            _CONV.Copy().Set(name=name, filter_shape=(1, 1, p.in_channels, c), filter_stride=(2, 2))
+            for name, c in (('conv_a', half), ('conv_b', p.out_channels - half))
+        ]
+
     def __init__(self, params):
         super().__init__(params)
-        p = self.params
-        half = p.out_channels // 2
-        self.CreateChild(
-            'conv_a',
-            _CONV.Copy().Set(
-                name='conv_a', filter_shape=(1, 1, p.in_channels, half), filter_stride=(2, 2)
-            ),
-        )
-        self.CreateChild(
-            'conv_b',
-            _CONV.Copy().Set(
-                name='conv_b',
-                filter_shape=(1, 1, p.in_channels, p.out_channels - half),
-                filter_stride=(2, 2),
-            ),
-        )
-        self.CreateChild('bn', _BN.Copy().Set(name='bn', dim=p.out_channels))
+        conv_a, conv_b = self._ConvParams(self.params)
+        self.CreateChild('conv_a', conv_a)
+        self.CreateChild('conv_b', conv_b)
+        self.CreateChild('bn', _BN.Copy().Set(name='bn', dim=self.params.out_channels))
 
     def FProp(self, x):
         x = tf.nn.relu(x)
@@ -124,24 +126,22 @@ class FactorizedReduce(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, x):
-        n, h, w, _ = base_layer.to_shape(x).as_list()
-        out = tf.TensorShape([n, _out_size(h, 2), _out_size(w, 2), p.out_channels])
-        outputs = base_layer.num_elements(out)
-        params = p.in_channels * p.out_channels + 2 * p.out_channels
-        return base_layer.Meta(
-            2 * outputs * p.in_channels + 8 * outputs, out, params, 2 * outputs * 4
+        metas = [conv.Conv2DLayer.FPropMeta(cp, x) for cp in cls._ConvParams(p)]
+        n, h, w, _ = metas[0].out_shapes[0].as_list()
+        out = tf.TensorShape([n, h, w, p.out_channels])
+        metas.append(
+            normalization.BatchNormLayer.FPropMeta(_BN.Copy().Set(dim=p.out_channels), out)
         )
+        return _sum_metas(metas, out)
 
 
 def _op_params(name, op, channels, stride):
-    """Params of one cell operation on `channels` channels."""
-    c, s = channels, stride
+    """Params of one cell operation on `channels` channels, or None for the identity."""
+    c, s, q = channels, stride, channels // 4  # q: the bottleneck's width
     if op == 'none':
-        if s == 1:
-            return None
-        return FactorizedReduce.Params().Set(name=name, in_channels=c, out_channels=c)
-    if op.endswith('pool_3x3') or op.endswith('pool_2x2'):
-        window = 3 if op.endswith('3x3') else 2
+        return None if s == 1 else _op_params(name, 'conv_1x1', c, s)
+    if op in ('max_pool_2x2', 'max_pool_3x3', 'avg_pool_3x3'):
+        window = int(op[-1])
         return pooling.PoolingLayer.Params().Set(
             name=name,
             pooling_type='MAX' if op.startswith('max') else 'AVG',
@@ -149,14 +149,21 @@ def _op_params(name, op, channels, stride):
             window_stride=(s, s),
             padding='SAME',
         )
-    shapes = {
-        'conv_1x1': ([(1, 1, c, c)], [(s, s)]),
-        'conv_3x3': ([(3, 3, c, c)], [(s, s)]),
-        'conv_1x7_7x1': ([(1, 7, c, c), (7, 1, c, c)], [(1, s), (s, 1)]),
-    }
-    if op not in shapes:
+    if op == 'conv_1x1':
+        filters, strides = [(1, 1, c, c)], [(s, s)]
+    elif op in ('conv_3x3', 'conv_1x7_7x1') and q < 1:  # too narrow for a bottleneck
+        filters, strides = {
+            'conv_3x3': ([(3, 3, c, c)], [(s, s)]),
+            'conv_1x7_7x1': ([(1, 7, c, c), (7, 1, c, c)], [(1, s), (s, 1)]),
+        }[op]
+    elif op == 'conv_3x3':
+        filters = [(1, 1, c, q), (3, 3, q, q), (1, 1, q, c)]
+        strides = [(1, 1), (s, s), (1, 1)]
+    elif op == 'conv_1x7_7x1':
+        filters = [(1, 1, c, q), (1, 7, q, q), (7, 1, q, q), (1, 1, q, c)]
+        strides = [(1, 1), (1, s), (s, 1), (1, 1)]
+    else:
         raise ValueError(f'Unknown AmoebaNet operation {op!r}.')
-    filters, strides = shapes[op]
     return ReluConvBn.Params().Set(name=name, filter_shapes=filters, strides=strides)
 
 
@@ -168,34 +175,35 @@ class AmoebaCell(base_layer.BaseLayer):
         p = super().Params()
         p.Define('filters', 0, 'Channels of every state inside the cell.')
         p.Define('reduction', False, 'A reduction cell (stride 2 on its inputs).')
-        p.Define('prev_channels', 0, 'Channels of the previous-previous state.')
-        p.Define('cur_channels', 0, 'Channels of the previous state.')
+        p.Define('prev_channels', 0, 'Channels of the input before the latest (prev).')
+        p.Define('cur_channels', 0, 'Channels of the latest input (cur).')
         p.Define('prev_is_larger', False, 'prev has twice the spatial size of cur.')
         return p
 
     @classmethod
     def _Plan(cls, p):
-        """(preprocess params, [(state index, op params or None, stride)], concat)."""
+        """(pre_cur, pre_prev or None, [(state index, op params or None)], concat)."""
         c = p.filters
-        if p.prev_is_larger:
-            pre0 = FactorizedReduce.Params().Set(
-                name='pre0', in_channels=p.prev_channels, out_channels=c
-            )
-        else:
-            pre0 = ReluConvBn.Params().Set(
-                name='pre0', filter_shapes=[(1, 1, p.prev_channels, c)], strides=[(1, 1)]
-            )
-        pre1 = ReluConvBn.Params().Set(
-            name='pre1', filter_shapes=[(1, 1, p.cur_channels, c)], strides=[(1, 1)]
+        pre_cur = ReluConvBn.Params().Set(
+            name='pre_cur', filter_shapes=[(1, 1, p.cur_channels, c)], strides=[(1, 1)]
         )
+        pre_prev = None
+        if p.prev_is_larger:
+            pre_prev = FactorizedReduce.Params().Set(
+                name='pre_prev', in_channels=p.prev_channels, out_channels=c
+            )
+        elif p.prev_channels != c:
+            pre_prev = ReluConvBn.Params().Set(
+                name='pre_prev', filter_shapes=[(1, 1, p.prev_channels, c)], strides=[(1, 1)]
+            )
         ops, concat = (
             (REDUCTION_OPS, REDUCTION_CONCAT) if p.reduction else (NORMAL_OPS, NORMAL_CONCAT)
         )
         plan = []
         for i, (index, op) in enumerate(ops):
             stride = 2 if p.reduction and index < 2 else 1
-            plan.append((index, _op_params(f'op{i}', op, c, stride), stride))
-        return (pre0, pre1), plan, concat
+            plan.append((index, _op_params(f'op{i}', op, c, stride)))
+        return pre_cur, pre_prev, plan, concat
 
     @classmethod
     def OutChannels(cls, p):
@@ -205,15 +213,20 @@ class AmoebaCell(base_layer.BaseLayer):
         super().__init__(params)
         p = self.params
         base_layer.check_positive(p, 'filters', 'prev_channels', 'cur_channels')
-        (pre0, pre1), plan, self._concat = self._Plan(p)
-        self.CreateChild('pre0', pre0)
-        self.CreateChild('pre1', pre1)
-        self._plan = [(index, op.name if op else None) for index, op, _ in plan]
-        self.CreateChildren('ops', [op for _, op, _ in plan if op is not None])
+        pre_cur, pre_prev, plan, self._concat = self._Plan(p)
+        self.CreateChild('pre_cur', pre_cur)
+        self._has_pre_prev = pre_prev is not None
+        if pre_prev is not None:
+            self.CreateChild('pre_prev', pre_prev)
+        self._plan = [(index, op.name if op else None) for index, op in plan]
+        self.CreateChildren('ops', [op for _, op in plan if op is not None])
         self._by_name = {layer.layer_name: layer for layer in self.ops}
 
     def FProp(self, prev, cur):
-        states = [self.pre0.FProp(prev), self.pre1.FProp(cur)]
+        states = [
+            self.pre_cur.FProp(cur),
+            self.pre_prev.FProp(prev) if self._has_pre_prev else prev,
+        ]
         for i in range(0, len(self._plan), 2):
             pair = []
             for index, name in self._plan[i : i + 2]:
@@ -224,37 +237,34 @@ class AmoebaCell(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, prev_shape, cur_shape):
-        (pre0, pre1), plan, concat = cls._Plan(p)
-        metas = [pre0.cls.FPropMeta(pre0, prev_shape), pre1.cls.FPropMeta(pre1, cur_shape)]
-        shapes = [metas[0].out_shapes[0], metas[1].out_shapes[0]]
+        pre_cur, pre_prev, plan, concat = cls._Plan(p)
+        metas = [pre_cur.cls.FPropMeta(pre_cur, cur_shape)]
+        shapes = [metas[0].out_shapes[0], base_layer.to_shape(prev_shape)]
+        if pre_prev is not None:
+            metas.append(pre_prev.cls.FPropMeta(pre_prev, prev_shape))
+            shapes[1] = metas[-1].out_shapes[0]
         for i in range(0, len(plan), 2):
             outs = []
-            for index, op, _ in plan[i : i + 2]:
+            for index, op in plan[i : i + 2]:
                 if op is None:
                     outs.append(shapes[index])
                 else:
-                    meta = op.cls.FPropMeta(op, shapes[index])
-                    metas.append(meta)
-                    outs.append(meta.out_shapes[0])
+                    metas.append(op.cls.FPropMeta(op, shapes[index]))
+                    outs.append(metas[-1].out_shapes[0])
             shapes.append(outs[0])
         n, h, w, _ = shapes[concat[0]].as_list()
         out = tf.TensorShape([n, h, w, cls.OutChannels(p)])
-        return base_layer.Meta(
-            sum(m.flops for m in metas),
-            (base_layer.to_shape(cur_shape), out),
-            sum(m.param_count for m in metas),
-            sum(m.activation_bytes for m in metas),
-        )
+        return _sum_metas(metas, (base_layer.to_shape(cur_shape), out))
 
 
 class AmoebaStem(base_layer.BaseLayer):
-    """Images -> (x, x): a 3x3 convolution (stride 1 or 2) with batch norm."""
+    """Images -> (x, x): a 3x3 convolution (stride 2 for ImageNet, 1 for CIFAR) and batch norm."""
 
     @classmethod
     def Params(cls):
         p = super().Params()
         p.Define('in_channels', 3, 'Image channels.')
-        p.Define('filters', 0, 'Output channels.')
+        p.Define('filters', 32, 'Output channels (the reference: 32).')
         p.Define('stride', 1, 'Stride of the stem convolution.')
         return p
 
@@ -280,12 +290,8 @@ class AmoebaStem(base_layer.BaseLayer):
     def FPropMeta(cls, p, images):
         meta = conv.Conv2DLayer.FPropMeta(cls._ConvParams(p), images)
         out = meta.out_shapes[0]
-        return base_layer.Meta(
-            meta.flops + 8 * base_layer.num_elements(out),
-            (out, out),
-            meta.param_count + 2 * p.filters,
-            2 * meta.activation_bytes,
-        )
+        bn = normalization.BatchNormLayer.FPropMeta(_BN.Copy().Set(dim=p.filters), out)
+        return _sum_metas([meta, bn], (out, out))
 
 
 class AmoebaHead(base_layer.BaseLayer):
@@ -321,43 +327,52 @@ class AmoebaHead(base_layer.BaseLayer):
         )
 
 
-def AmoebaNetLayers(num_cells, filters, num_classes, in_channels=3, stem_stride=1):
-    """The layer list of AmoebaNet-D (L=num_cells normal cells, D=filters): stem, three stacks
-    of L/3 normal cells with a reduction cell between stacks (filters doubling), head."""
-    if num_cells % 3:
-        raise ValueError(f'num_cells (L) must be a multiple of 3, got {num_cells}.')
+def AmoebaNetLayers(num_cells, filters, num_classes, in_channels=3, stem='cifar', stem_filters=32):
+    """The layer list of AmoebaNet-D (L=num_cells normal cells, D=filters of the first normal
+    stack): stem, three stacks of L/3 normal cells with a reduction cell between stacks (filters
+    doubling), head. stem='imagenet': a stride-2 convolution and two reduction cells (D/4, D/2);
+    'cifar': a stride-1 convolution only (the reference's two stems)."""
+    if num_cells <= 0 or num_cells % 3:
+        raise ValueError(f'num_cells (L) must be a positive multiple of 3, got {num_cells}.')
+    if stem not in STEMS:
+        raise ValueError(f'stem must be one of {STEMS}, got {stem!r}.')
+    if stem == 'imagenet' and filters % 8:
+        raise ValueError(
+            f'filters (D) must be a multiple of 8 with the ImageNet stem (its cells have D/4 '
+            f'filters, halved again by their factorized reductions), got {filters}.'
+        )
     sub = [
         AmoebaStem.Params().Set(
-            name='stem', in_channels=in_channels, filters=filters, stride=stem_stride
+            name='stem',
+            in_channels=in_channels,
+            filters=stem_filters,
+            stride=2 if stem == 'imagenet' else 1,
         )
     ]
-    prev_c = cur_c = filters
-    prev_larger = False
-    c = filters
+    state = dict(prev_channels=stem_filters, cur_channels=stem_filters, prev_is_larger=False)
+
+    def add(name, c, reduction):
+        cell = AmoebaCell.Params().Set(name=name, filters=c, reduction=reduction, **state)
+        sub.append(cell)
+        state.update(
+            prev_channels=state['cur_channels'],
+            cur_channels=AmoebaCell.OutChannels(cell),
+            prev_is_larger=reduction,
+        )
+
+    if stem == 'imagenet':
+        add('stem_reduce0', filters // 4, True)
+        add('stem_reduce1', filters // 2, True)
     index = 0
     for stack in range(3):
         if stack:
-            c *= 2
-            cell = AmoebaCell.Params().Set(
-                name=f'reduce{stack}',
-                filters=c,
-                reduction=True,
-                prev_channels=prev_c,
-                cur_channels=cur_c,
-                prev_is_larger=prev_larger,
-            )
-            sub.append(cell)
-            prev_c, cur_c, prev_larger = cur_c, AmoebaCell.OutChannels(cell), True
+            add(f'reduce{stack}', filters * 2**stack, True)
         for _ in range(num_cells // 3):
-            cell = AmoebaCell.Params().Set(
-                name=f'cell{index:02d}',
-                filters=c,
-                prev_channels=prev_c,
-                cur_channels=cur_c,
-                prev_is_larger=prev_larger,
-            )
-            sub.append(cell)
-            prev_c, cur_c, prev_larger = cur_c, AmoebaCell.OutChannels(cell), False
+            add(f'cell{index:02d}', filters * 2**stack, False)
             index += 1
-    sub.append(AmoebaHead.Params().Set(name='head', in_channels=cur_c, num_classes=num_classes))
+    sub.append(
+        AmoebaHead.Params().Set(
+            name='head', in_channels=state['cur_channels'], num_classes=num_classes
+        )
+    )
     return sub

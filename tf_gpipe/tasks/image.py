@@ -18,14 +18,20 @@ class ImageClassifier(base_task.BaseTask):
         p.Define('filters', 16, 'D: filters of the first stack (doubled at each reduction).')
         p.Define('image_size', 32, 'Input height and width.')
         p.Define('in_channels', 3, 'Image channels.')
-        p.Define('stem_stride', 1, 'Stride of the stem convolution (2 for ImageNet-size).')
+        p.Define(
+            'stem',
+            'cifar',
+            "'imagenet': a stride-2 convolution and two reduction cells (the first normal stack "
+            "runs at 1/8 of the image size); 'cifar': a stride-1 convolution.",
+        )
+        p.Define('stem_filters', 32, 'Channels of the stem convolution (the reference: 32).')
         p.Define('label_smoothing', 0.0, 'Label smoothing.')
         return p
 
     @classmethod
     def LayerParams(cls, p):
         return amoebanet.AmoebaNetLayers(
-            p.num_cells, p.filters, p.num_classes, p.in_channels, p.stem_stride
+            p.num_cells, p.filters, p.num_classes, p.in_channels, p.stem, p.stem_filters
         )
 
     @classmethod
