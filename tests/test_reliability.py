@@ -153,7 +153,7 @@ def test_unreadable_newest_checkpoint_falls_back_and_foreign_is_refused(tmp_path
     resumed.Train()
     assert int(resumed.global_step) == 8
     foreign = trainer.Trainer(_params(key='mt.synthetic.TransformerNmtTiny'), logdir)
-    with pytest.raises(RuntimeError, match='does not match this model'):
+    with pytest.raises(RuntimeError, match='is of another model'):
         foreign.Restore()
 
 

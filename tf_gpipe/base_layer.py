@@ -290,6 +290,41 @@ class BaseLayer(tf.Module):
         for child in _flatten_children(self._children):
             child.PostTrainingStepUpdate()
 
+    def NamedVariables(self, replica=0):
+        """{path: variable} for this layer's variables and its descendants', keyed by layer
+        path ('fc0/w'). The cells a pipeline cuts leave no trace in the path, so the names do
+        not depend on K; `replica` picks a data-parallel pipeline's replica copies. A variable
+        shared by two layers keeps its first path."""
+        out, seen = {}, set()
+        self._CollectNamed('', out, seen, replica)
+        return out
+
+    def _CollectNamed(self, prefix, out, seen, replica):
+        for name, var in self._vars.items():
+            if var.ref() in seen:
+                continue
+            seen.add(var.ref())
+            key = prefix + name
+            if key in out:
+                raise ValueError(
+                    f'Two variables have the layer path {key!r}; give the layers distinct names.'
+                )
+            out[key] = var
+        for key, child in self._NamedChildren(replica):
+            child._CollectNamed(f'{prefix}{key}/', out, seen, replica)
+
+    def _NamedChildren(self, replica):
+        """(path component, child) pairs: a single child by its attribute name, children in a
+        list by their layer names, children in a dict by their keys."""
+        del replica
+        for attr, value in self._children.items():
+            if isinstance(value, BaseLayer):
+                yield attr, value
+            elif isinstance(value, dict):
+                yield from value.items()
+            else:
+                yield from ((child.layer_name, child) for child in value)
+
     def AllLayers(self):
         """This layer and all its descendants, depth first."""
         out = [self]

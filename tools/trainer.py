@@ -3,7 +3,8 @@
     python tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
         --num_logical_cpus=4 --params_override='task.pipeline.num_micro_batches=16'
 
-Modes: train | eval | train_and_eval | inspect_params | inspect_model. Checkpoints go to
+Modes: train | eval | train_and_eval | inspect_params | inspect_model | inspect_checkpoint
+(--checkpoint=<prefix or directory>, or the latest in --logdir). Checkpoints go to
 <logdir>/checkpoints (a restart resumes from the latest), TensorBoard summaries to
 <logdir>/train and <logdir>/eval.
 """
@@ -22,7 +23,7 @@ if ROOT not in sys.path:  # run from a checkout without installing
 
 from tf_gpipe import cluster, hyperparams, model_registry  # noqa: E402
 
-MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model')
+MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'inspect_checkpoint')
 MODEL = flags.DEFINE_string(
     'model', None, 'Registered model key, e.g. lm.synthetic.TransformerLmTiny.'
 )
@@ -33,6 +34,9 @@ OVERRIDE = flags.DEFINE_string(
 )
 PARAMS_DIR = flags.DEFINE_string(
     'params_dir', None, 'Extra directory of params/<task>/<file>.py files.'
+)
+CHECKPOINT = flags.DEFINE_string(
+    'checkpoint', None, 'inspect_checkpoint: a checkpoint prefix or directory (default: --logdir).'
 )
 MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
 CPUS = flags.DEFINE_integer('num_logical_cpus', None, 'Split the CPU into this many devices.')
@@ -127,6 +131,17 @@ def _for_this_command(error):
 
 def main(argv):
     del argv
+    if MODE.value == 'inspect_checkpoint':
+        from tf_gpipe.trainer import checkpoints
+
+        where = CHECKPOINT.value or LOGDIR.value
+        if not where:
+            raise app.UsageError('inspect_checkpoint needs --checkpoint or --logdir.')
+        try:
+            print(checkpoints.InspectText(where))
+        except (FileNotFoundError, ValueError) as e:
+            sys.exit(f'trainer: {e}')
+        return
     if not MODEL.value:
         raise app.UsageError('--model is required (e.g. lm.synthetic.TransformerLmTiny).')
     if CPUS.value:

@@ -125,6 +125,21 @@ class PipelinedLayer(base_layer.BaseLayer):
                 'step', [], init=base_layer.WeightInit.Constant(0), dtype=tf.int64, trainable=False
             )
 
+    def _NamedChildren(self, replica):
+        # Cells cut from `sub` are the partitioner's, not the model's: their layers sit
+        # directly under the pipeline, so a checkpoint's names do not depend on K. Cells the
+        # user gave (cell_tpl) are part of the model and keep replica 0's names.
+        if not 0 <= replica < len(self._replica_cells):
+            raise ValueError(
+                f'{self.params.name}: replica {replica} asked, the pipeline has '
+                f'{len(self._replica_cells)}.'
+            )
+        for i, cell in enumerate(self._replica_cells[replica]):
+            if self.params.cell_tpl is not None:
+                yield f'cell{i}', cell
+            else:
+                yield from cell._NamedChildren(replica)
+
     @staticmethod
     def _DeviceRows(p, r_count, k):
         """R rows of K canonical device names."""

@@ -31,6 +31,13 @@ def TrainParams():
     p.Define('eval_steps', 4, 'Batches per evaluation.')
     p.Define('max_checkpoints_to_keep', 5, 'Older checkpoints are deleted.')
     p.Define(
+        'init_from_checkpoint_rules',
+        {},
+        'Warm start (a run without a checkpoint of its own): {checkpoint path: ([(regex, '
+        "format)], [ignore regex])}; a variable whose name (e.g. 'task/network/fc0/w') fully "
+        'matches a regex is loaded from the name format % match.groups().',
+    )
+    p.Define(
         'nonfinite_policy',
         'stop',
         "A step whose loss or gradient is NaN/Inf changes nothing, then: 'stop' (an error "

@@ -23,6 +23,17 @@ def _positive_number(problems, name, value, allow_zero=False):
         problems.append(f'{name}={value!r} must be a finite number {">=" if allow_zero else ">"} 0')
 
 
+def _is_rule(rule):
+    if not isinstance(rule, (list, tuple)) or len(rule) != 2:
+        return False
+    mappings, ignores = rule
+    pairs = all(
+        isinstance(m, (list, tuple)) and len(m) == 2 and all(isinstance(x, str) for x in m)
+        for m in mappings
+    )
+    return pairs and all(isinstance(i, str) for i in ignores)
+
+
 def _problems(task_p):
     problems = []
     train = task_p.train
@@ -35,6 +46,13 @@ def _problems(task_p):
         'max_checkpoints_to_keep',
     ):
         _at_least(problems, f'task.train.{name}', train.Get(name), 1)
+    rules = train.init_from_checkpoint_rules
+    if not isinstance(rules, dict) or not all(_is_rule(r) for r in rules.values()):
+        problems.append(
+            f'task.train.init_from_checkpoint_rules={rules!r} must be {{checkpoint path: '
+            "([(regex, format)], [ignore regex])}, e.g. {'/old/ckpt-100': "
+            "([('task/network/(.*)', 'task/network/%s')], [])}"
+        )
     learner = task_p.learner
     _positive_number(problems, 'task.learner.learning_rate', learner.learning_rate)
     _positive_number(problems, 'task.learner.epsilon', learner.epsilon)

@@ -14,7 +14,7 @@ from absl import logging
 from tf_gpipe import fprop_context, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer, partition
 from tf_gpipe.nested_map import NestedMap
-from tf_gpipe.trainer import checks
+from tf_gpipe.trainer import checkpoints, checks
 
 NONFINITE_POLICIES = ('stop', 'skip')
 
@@ -87,14 +87,20 @@ class Trainer:
         # (task), optimizer slots and iterations, the step (which also keys the synthetic
         # inputs and every dropout mask), and an input whose position is state (a tf.data
         # iterator).
+        # Variables are saved by layer path (checkpoints.py), so a checkpoint restores into
+        # another K, M, schedule or number of replicas.
         items = getattr(self.train_input, 'CheckpointItems', dict)()
-        self.checkpoint = tf.train.Checkpoint(
-            task=self.task,
-            optimizer=self.learner.optimizer,
+        self.named_checkpoint = checkpoints.NamedCheckpoint(
+            self.task,
+            self.learner.optimizer,
+            p.task.learner.optimizer,
+            self.variables,
+            num_replicas=p.task.pipeline.num_replicas if 'pipeline' in p.task else 1,
             global_step=self.global_step,
             nonfinite_steps=self.nonfinite_steps,
             **items,
         )
+        self.checkpoint = self.named_checkpoint.checkpoint
         self.manager = tf.train.CheckpointManager(
             self.checkpoint,
             os.path.join(self.logdir, 'checkpoints'),
@@ -130,18 +136,18 @@ class Trainer:
         """Restores the newest readable checkpoint in logdir, if any; returns its path or None.
 
         A checkpoint that cannot be read (a truncated or corrupt file) is reported and the next
-        older one is tried; one of another model (its variables do not match) is an error.
+        older one is tried; one of another model or optimizer is an error in one line. Without
+        a checkpoint, task.train.init_from_checkpoint_rules warm-start the model.
         """
         self.Build()
         paths = list(reversed(self.manager.checkpoints))
         for i, path in enumerate(paths):
             try:
-                self.checkpoint.restore(path).assert_existing_objects_matched()
-            except (AssertionError, ValueError) as e:
+                self.named_checkpoint.Restore(path)
+            except AssertionError as e:
                 raise RuntimeError(
-                    f'Cannot restore {path}: it does not match this model ({e}). Is it a '
-                    'checkpoint of another model? Use another --logdir, or move its '
-                    'checkpoints/ away.'
+                    f'Cannot restore {path}: it does not match this model '
+                    f'({str(e).splitlines()[0][:300]}).'
                 ) from e
             except (tf.errors.OpError, OSError, IndexError, EOFError) as e:
                 older = paths[i + 1] if i + 1 < len(paths) else None
@@ -159,6 +165,16 @@ class Trainer:
             raise RuntimeError(
                 f'No checkpoint in {self.manager.directory} can be read ({len(paths)} tried). '
                 'Move the directory away to start afresh.'
+            )
+        rules = self.params.task.train.init_from_checkpoint_rules
+        if rules and int(self.global_step) == 0:
+            loaded = checkpoints.WarmStart(self.named_checkpoint.named, rules)
+            self.named_checkpoint.SyncReplicas()
+            logging.info(
+                'Warm start: %d of %d variables loaded from %s.',
+                len(loaded),
+                len(self.named_checkpoint.named),
+                ', '.join(rules),
             )
         return None
 
