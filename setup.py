@@ -18,8 +18,13 @@ setup(
         'tensorboard',
         'numpy',
     ],
-    # `tf_gpipe_trainer` on the PATH: tools/trainer.py installed as a script (flags stay in tools/).
-    scripts=['tools/tf_gpipe_trainer', 'tools/trainer.py'],
+    # `tf_gpipe_trainer` / `tf_gpipe_worker` on the PATH: tools/ installed as scripts (flags stay there).
+    scripts=[
+        'tools/tf_gpipe_trainer',
+        'tools/trainer.py',
+        'tools/tf_gpipe_worker',
+        'tools/worker.py',
+    ],
     extras_require={
         'test': ['pytest', 'pytest-xdist', 'ruff'],
         'plot': ['matplotlib'],

@@ -1,4 +1,5 @@
-"""A pipeline across TF worker processes on 127.0.0.1: exact, and a dead worker fails fast.
+"""A pipeline across TF worker processes on 127.0.0.1: exact, and a dead worker fails fast,
+named.
 
 Runs in a subprocess (connecting to a cluster changes this process's TF context for good).
 """
@@ -14,7 +15,7 @@ _SCRIPT = r"""
 import json, os, sys, threading, time
 import numpy as np
 import tensorflow as tf
-from tf_gpipe import gpipe, layers, local_cluster, placement
+from tf_gpipe import cluster_spec, gpipe, layers, local_cluster, placement
 
 report = {}
 with local_cluster.LocalCluster(2) as cluster:
@@ -78,6 +79,8 @@ with local_cluster.LocalCluster(2) as cluster:
     except Exception as e:
         report['error'] = type(e).__name__
     report['seconds_to_error'] = time.time() - start
+    report['unreachable'] = cluster_spec.gone(cluster.spec, ['worker'])
+    report['worker_1'] = cluster.spec['worker'][1]
 print(json.dumps(report))
 """
 
@@ -106,3 +109,4 @@ def test_pipeline_across_worker_processes():
     # Documented bound: a dead worker surfaces within 30 s (measured: well under a second
     # after the step that needs it).
     assert report['seconds_to_error'] < 30, report
+    assert report['unreachable'] == [['worker', 1, report['worker_1']]]  # the dead one, named

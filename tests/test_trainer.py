@@ -125,6 +125,38 @@ def test_inspect_and_errors(tmp_path):
         assert "Expected e.g. --cluster_spec='worker=127.0.0.1:2222" in malformed.stderr
 
 
+def test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works(tmp_path):
+    import signal
+    import time
+
+    from tf_gpipe import local_cluster
+
+    ports = local_cluster.free_ports(2)
+    spec = f'--cluster_spec=worker=127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}'
+    start = time.monotonic()
+    run = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', spec, '--connect_timeout=2')
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert (
+        f'2 task(s) did not answer within 2 s: worker 0 (127.0.0.1:{ports[0]}), worker 1 '
+        f'(127.0.0.1:{ports[1]}). Start each with `tf_gpipe_worker'
+    ) in run.stderr
+    assert time.monotonic() - start < 60 and 'Traceback' not in run.stderr
+    # Ctrl-C while waiting for the workers ends the run at once.
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, 'tools', 'trainer.py'), f'--model={MODEL}',
+         f'--logdir={tmp_path}', spec, '--connect_timeout=300'],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
+    )  # fmt: skip
+    for line in proc.stderr:
+        if 'Waiting for worker 0' in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    stopped = time.monotonic()
+    assert proc.wait(timeout=30) == 1
+    assert time.monotonic() - stopped < 10
+    assert 'interrupted while waiting for the cluster' in proc.stderr.read()
+
+
 def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):
     """Stage k on TF worker k (loopback): --cluster_spec for training, TF_CONFIG for eval."""
     import json

@@ -16,16 +16,6 @@ import time
 
 import tensorflow as tf
 
-_WORKER_MAIN = """
-import json, sys
-import tensorflow as tf
-spec = tf.train.ClusterSpec(json.loads(sys.argv[1]))
-server = tf.distribute.Server(spec, job_name=sys.argv[2], task_index=int(sys.argv[3]),
-                              protocol='grpc', start=True)
-print('ready', flush=True)
-server.join()
-"""
-
 
 def free_ports(n):
     """n distinct free TCP ports on 127.0.0.1."""
@@ -76,8 +66,13 @@ class LocalCluster:
     def start(self):
         env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', **self._env}
         for i in range(self.num_workers):
-            cmd = [sys.executable, '-c', _WORKER_MAIN, json.dumps(self.spec), self.job_name, str(i)]
-            worker_env = dict(env)
+            cmd = [sys.executable, '-m', 'tf_gpipe.worker']
+            task = {'type': self.job_name, 'index': i}
+            worker_env = dict(env, TF_CONFIG=json.dumps({'cluster': self.spec, 'task': task}))
+            # tf_gpipe importable in the worker even when it is not installed (a checkout).
+            package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            path = [package_root] + [p for p in [env.get('PYTHONPATH')] if p]
+            worker_env['PYTHONPATH'] = os.pathsep.join(path)
             if self._cores is not None:
                 # One core and one compute thread; a second inter-op thread lets a finished
                 # micro-batch's Send run while the next micro-batch computes (with one, the

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-from tf_gpipe import cluster, hyperparams, model_registry  # noqa: E402
+from tf_gpipe import cluster, cluster_spec, hyperparams, model_registry  # noqa: E402
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'inspect_checkpoint')
 MODEL = flags.DEFINE_string(
@@ -44,6 +44,9 @@ TPU = flags.DEFINE_string('tpu', None, 'TPU name or address (cells on TPU cores;
 CLUSTER_SPEC = flags.DEFINE_string(
     'cluster_spec', None, "'worker=h0:2222,h1:2222' (or TF_CONFIG); stage k on worker k."
 )
+CONNECT_TIMEOUT = flags.DEFINE_float(
+    'connect_timeout', 120.0, 'Seconds to wait for every worker of the cluster to answer.'
+)
 
 
 def _model_params():
@@ -63,60 +66,30 @@ def _model_params():
 
 
 def _connect():
-    """Joins a TF cluster (--cluster_spec, TF_CONFIG or --tpu) so its devices are usable."""
-    import json
-
+    """Joins a TF cluster (--cluster_spec, TF_CONFIG or --tpu) so its devices are usable; first
+    waits (bounded, Ctrl-C works) until every worker answers."""
     import tensorflow as tf
 
     if TPU.value:
         mesh = cluster.DeviceMesh.from_tpu(cluster.tpu_device_assignment(1))
-        return cluster.use_mesh(mesh)
-    spec = None
+        return cluster.use_mesh(mesh), None
     if CLUSTER_SPEC.value:
-        spec = _parse_cluster_spec(CLUSTER_SPEC.value)
-    elif 'TF_CONFIG' in os.environ:
-        try:
-            spec = json.loads(os.environ['TF_CONFIG'])['cluster']
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f'TF_CONFIG has no readable cluster ({type(e).__name__}: {e}). Expected e.g. '
-                '{"cluster": {"worker": ["127.0.0.1:2222", "127.0.0.1:2223"]}}.'
-            ) from None
+        spec = cluster_spec.parse(CLUSTER_SPEC.value)
+    else:
+        spec, _ = cluster_spec.from_tf_config()
     if spec is None:
-        return None
+        return None, None
+    spec = dict(spec)
     if 'client' not in spec:  # this process joins as the client, on a free local port
         from tf_gpipe import local_cluster
 
         spec['client'] = [f'127.0.0.1:{local_cluster.free_ports(1)[0]}']
+    servers = [j for j in spec if j != 'client']
+    cluster_spec.wait_for(spec, CONNECT_TIMEOUT.value, jobs=servers, log=logging.info)
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name='client')
     mesh = cluster.DeviceMesh.from_cluster(spec)
     logging.info('Connected to the cluster; %s', mesh)
-    return cluster.use_mesh(mesh)
-
-
-_EXAMPLE_SPEC = "--cluster_spec='worker=127.0.0.1:2222,127.0.0.1:2223'"
-
-
-def _parse_cluster_spec(text):
-    """{job: [host:port, ...]} from 'job=h:p,h:p;job2=...'; a malformed one says how it
-    should look."""
-    spec = {}
-    for job in filter(None, (j.strip() for j in text.split(';'))):
-        name, sep, hosts = job.partition('=')
-        addresses = [h.strip() for h in hosts.split(',') if h.strip()]
-        bad = [a for a in addresses if not re.fullmatch(r'[\w.\-\[\]:]+:\d+', a)]
-        if not sep or not name.strip() or not addresses or bad:
-            why = (
-                f'{bad[0]!r} is not host:port' if bad else f'{job!r} is not job=host:port,host:port'
-            )
-            raise ValueError(
-                f'--cluster_spec={text!r} is malformed: {why}. Expected e.g. {_EXAMPLE_SPEC} '
-                "(jobs separated by ';')."
-            )
-        spec[name.strip()] = addresses
-    if not spec:
-        raise ValueError(f'--cluster_spec={text!r} names no job. Expected e.g. {_EXAMPLE_SPEC}.')
-    return spec
+    return cluster.use_mesh(mesh), (spec, servers)
 
 
 def _for_this_command(error):
@@ -166,8 +139,12 @@ def main(argv):
         raise app.UsageError('--logdir is required for train and eval.')
     import tensorflow as tf
 
+    joined = None
     try:
-        mesh_scope = _connect()
+        try:
+            mesh_scope, joined = _connect()
+        except KeyboardInterrupt:
+            sys.exit('trainer: interrupted while waiting for the cluster; nothing was started.')
         t = trainer.Trainer(p, LOGDIR.value)
         if mesh_scope is not None:
             with mesh_scope:
@@ -177,13 +154,20 @@ def main(argv):
         else:
             last = t.Train(eval_too=MODE.value == 'train_and_eval')
             logging.info('Done: %s', last)
-    except (RuntimeError, FloatingPointError, ValueError) as e:
-        # Diverged, bad params, bad logdir, too few devices, unreadable or foreign checkpoint.
+    except (RuntimeError, FloatingPointError, ValueError, TimeoutError) as e:
+        # Diverged, bad params, bad logdir, too few devices, unreadable or foreign checkpoint,
+        # workers that never answered.
         sys.exit(f'trainer: {_for_this_command(e)}')
     except tf.errors.UnavailableError as e:
+        gone = cluster_spec.gone(joined[0], joined[1]) if joined else []
+        who = (
+            f'{cluster_spec.describe(gone)} stopped answering'
+            if gone
+            else 'a TF worker is unreachable'
+        )
         sys.exit(
-            f'trainer: a TF worker is unreachable ({str(e).splitlines()[0][:300]}). Restart it '
-            'and run the same command: training resumes from the last checkpoint.'
+            f'trainer: {who} ({str(e).splitlines()[0][:300]}). Restart it and run the same '
+            'command: training resumes from the last checkpoint.'
         )
 
 
