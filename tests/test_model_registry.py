@@ -71,3 +71,24 @@ def test_a_key_defined_twice_names_both_files(tmp_path):
     (other / 'mytask' / 'dup.py').write_text(_USER_FILE + _USER_FILE.split('\n', 2)[2])
     with pytest.raises(ValueError, match=r'mytask.dup.MyLm is defined twice: in .*dup.py\.'):
         model_registry.LoadParamsDir(str(other))
+
+
+def test_an_error_inside_a_params_file_names_the_file_and_line(tmp_path):
+    (tmp_path / 'typo').mkdir()
+    path = tmp_path / 'typo' / 'exp.py'
+    path.write_text(
+        _USER_FILE.replace('class MyLm', 'class TypoLm').replace(
+            "        return tasks.LanguageModel.Params().Set(name='lm', vocab_size=8, model_dim=8)",
+            "        p = tasks.LanguageModel.Params().Set(name='lm', vocab_size=8)\n"
+            '        p.train.max_stepz = 5\n'
+            '        return p',
+        )
+    )
+    model_registry.LoadParamsDir(str(tmp_path))
+    line = path.read_text().splitlines().index('        p.train.max_stepz = 5') + 1
+    with pytest.raises(AttributeError) as e:
+        model_registry.GetParams('typo.exp.TypoLm')
+    assert str(e.value) == (
+        f"{path}, line {line}, in TypoLm.Task: Params has no parameter 'max_stepz' "
+        "(did you mean 'max_steps'?); Define() it first."
+    )

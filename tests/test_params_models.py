@@ -43,7 +43,7 @@ def test_inspect_model_without_building(key):
         assert total == _lm_params(task_p)
     if key.startswith('mt.'):
         assert total == _mt_params(task_p)
-    assert len(table.splitlines()) == task_p.pipeline.num_partitions + 3
+    assert len(table.splitlines()) == task_p.pipeline.num_partitions + 4
 
 
 def test_paper_scale_lm_is_large():
@@ -61,3 +61,17 @@ def test_registered_amoebanet_has_the_papers_size(key, paper):
     task_p, input_p = model_registry.GetParams(key)
     _, total = trainer.InspectModel(task_p, input_p)
     assert abs(total / paper - 1) < 0.02, total
+
+
+def test_inspect_model_memory_follows_the_optimizer():
+    """param+opt MB counts weights, gradient sums and the optimizer's slots: adam 2, sgd 0."""
+    task_p, input_p = model_registry.GetParams('lm.synthetic.TransformerLmTiny')
+    column = {}
+    for optimizer in ('adam', 'sgd', 'momentum'):
+        task_p.learner.optimizer = optimizer
+        table, total = trainer.InspectModel(task_p, input_p)
+        rows = table.splitlines()[2 : 2 + task_p.pipeline.num_partitions]
+        column[optimizer] = sum(float(r.split()[-2]) for r in rows)
+        assert f'{optimizer} slot(s) per parameter' in table
+    assert column['adam'] / column['sgd'] == pytest.approx(2.0, rel=0.02)
+    assert column['momentum'] / column['sgd'] == pytest.approx(1.5, rel=0.02)

@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 
 from tf_gpipe import base_model_params
 
@@ -102,4 +103,27 @@ def GetClass(key):
 def GetParams(key, dataset='Train'):
     """(task params, input params) of model `key` for 'Train' or 'Test'."""
     model = GetClass(key)()
-    return model.Task(), getattr(model, dataset)()
+    return CallParams(model, 'Task'), CallParams(model, dataset)
+
+
+def CallParams(model, method):
+    """model.<method>() (Task, Train, Test); an error raised inside a params file names the
+    file and line, e.g. "params/lm/mine.py, line 12, in Task: ... has no param 'max_stepz'"."""
+    try:
+        return getattr(model, method)()
+    except (AttributeError, ValueError, TypeError, KeyError, LookupError) as e:
+        source = inspect.getsourcefile(type(model))
+        frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == source]
+        if not frames:
+            raise
+        where = frames[-1]
+        message = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+        try:
+            path = os.path.relpath(where.filename)
+            path = where.filename if path.startswith('..') else path
+            named = type(e)(
+                f'{path}, line {where.lineno}, in {type(model).__name__}.{where.name}: {message}'
+            )
+        except Exception:  # an exception type that takes other arguments: leave it be
+            raise e from None
+        raise named.with_traceback(e.__traceback__) from None

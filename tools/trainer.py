@@ -58,7 +58,9 @@ def _model_params():
     if PARAMS_DIR.value:
         model_registry.LoadParamsDir(PARAMS_DIR.value)
     model = model_registry.GetClass(MODEL.value)()
-    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    p = trainer.ModelParams(
+        *(model_registry.CallParams(model, m) for m in ('Task', 'Train', 'Test'))
+    )
     hyperparams.apply_overrides(p, OVERRIDE.value)
     if MAX_STEPS.value is not None:
         p.task.train.max_steps = MAX_STEPS.value

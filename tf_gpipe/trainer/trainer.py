@@ -308,11 +308,12 @@ def InspectModel(task_p, input_p=None):
     rows = [('cell', 'layers', 'params', 'param+opt MB', 'act MB/micro-batch')]
     total = 0
     m = network_p.num_micro_batches
+    slots = OptimizerSlots(task_p.learner)
     for k, (a, b) in enumerate(partition.blocks(splits)):
         params = sum(meta.param_count for meta in metas[a:b])
         total += params
-        # Weights, gradient accumulator and two optimizer slots (Adam), float32.
-        param_mb = params * 4 * 4 / 2**20
+        # Weights, the gradient sums and the optimizer's slots, float32.
+        param_mb = params * 4 * (2 + slots) / 2**20
         act_mb = sum(meta.activation_bytes for meta in metas[a:b]) / max(m, 1) / 2**20
         rows.append(
             (
@@ -327,7 +328,22 @@ def InspectModel(task_p, input_p=None):
     shape = network_p.input_shape
     shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
     lines.append(f'total parameters: {total:,}  (activation estimate for input shape {shape})')
+    lines.append(
+        f'param+opt: weights, gradient sums and {slots} {task_p.learner.optimizer} slot(s) per '
+        'parameter, float32'
+    )
     return '\n'.join(lines), total
+
+
+def OptimizerSlots(learner_p):
+    """Variables the optimizer keeps per parameter (Keras 3): adam 2, momentum 1, rmsprop 1 (2
+    with momentum), sgd 0."""
+    return {
+        'sgd': 0,
+        'momentum': 1,
+        'adam': 2,
+        'rmsprop': 1 + (learner_p.momentum > 0),
+    }[learner_p.optimizer]
 
 
 def _progress(step, first, max_steps, seconds_since_first):
