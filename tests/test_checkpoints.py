@@ -88,7 +88,7 @@ def test_replicas_restore_from_one_replica(k2_run, tmp_path):
 
 def test_other_optimizer_or_model_refused_in_one_line(k2_run):
     logdir, *_ = k2_run
-    t = trainer.Trainer(_params('task.learner.optimizer=sgd'), logdir)
+    t = trainer.Trainer(_params('task.train.learner.optimizer=sgd'), logdir)
     with pytest.raises(RuntimeError, match="written with optimizer 'adam', this model uses 'sgd'"):
         t.Restore()
     t = trainer.Trainer(_params('task.model_dim=32'), logdir)

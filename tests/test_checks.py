@@ -30,9 +30,15 @@ def test_the_demo_model_passes():
         ('task.train.max_steps=-5', 'task.train.max_steps=-5 must be int >= 0'),
         ('task.train.log_interval_steps=0', 'task.train.log_interval_steps=0 must be int >= 1'),
         ('task.train.save_interval_steps=0', 'task.train.save_interval_steps=0 must be int >= 1'),
-        ('task.learner.learning_rate=1e999', 'task.learner.learning_rate=inf must be a finite'),
-        ('task.learner.learning_rate=-0.1', 'task.learner.learning_rate=-0.1 must be a finite'),
-        ('task.learner.beta2=1.0', r'task.learner.beta2=1.0 must be in \[0, 1\)'),
+        (
+            'task.train.learner.learning_rate=1e999',
+            'task.train.learner.learning_rate=inf must be a finite',
+        ),
+        (
+            'task.train.learner.learning_rate=-0.1',
+            'task.train.learner.learning_rate=-0.1 must be a finite',
+        ),
+        ('task.train.learner.beta2=1.0', r'task.train.learner.beta2=1.0 must be in \[0, 1\)'),
         ('task.pipeline.num_micro_batches=0', 'task.pipeline.num_micro_batches=0 must be int'),
         ('task.pipeline.recompute=sometimes', "Unknown recompute 'sometimes'"),
         ('task.pipeline.schedule=1fb1', "Unknown schedule '1fb1' \\(did you mean '1f1b'"),
@@ -54,13 +60,13 @@ def test_every_problem_at_once_before_the_logdir_is_made(tmp_path):
 def test_inspect_model_checks_too():
     p = _task('task.pipeline.num_micro_batches=0; task.pipeline.recompute=sometimes')
     with pytest.raises(ValueError, match=r'Bad params \(2\)'):
-        trainer.InspectModel(p.task, p.train)
+        trainer.InspectModel(p.task, p.input)
 
 
 def test_a_nan_set_in_a_params_file_is_named():
     p = _task()
-    p.task.learner.learning_rate = float('nan')  # as a params file's Task() could set it
-    with pytest.raises(ValueError, match='task.learner.learning_rate=nan must be a finite'):
+    p.task.train.learner.learning_rate = float('nan')  # as a params file's Task() could set it
+    with pytest.raises(ValueError, match='task.train.learner.learning_rate=nan must be a finite'):
         checks.CheckParams(p.task)
 
 

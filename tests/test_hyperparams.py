@@ -206,3 +206,34 @@ def test_instantiable_params():
     assert isinstance(p.Copy(), hyperparams.InstantiableParams)
     with pytest.raises(ValueError, match='cls is not set'):
         hyperparams.InstantiableParams().Instantiate()
+
+
+def test_aliases_accept_old_names_with_a_deprecation_warning(caplog):
+    inner = hyperparams.Params()
+    inner.Define('steps', 1, '')
+    loop = hyperparams.Params()
+    loop.Define('max_steps', 10, '')
+    p = hyperparams.Params()
+    p.Define('train', loop, '')
+    p.Define('eval', inner, '')
+    p.Define('opt', hyperparams.Params().Define('lr', 0.1, '') or None, '')
+    p.DefineAlias('train.eval_steps', 'eval.steps')
+    p.DefineAlias('old_train', 'train')
+    with caplog.at_level('WARNING'):
+        p.Set(**{'train.eval_steps': 5})
+        assert p.eval.steps == 5 and p.Get('train.eval_steps') == 5
+        hyperparams.apply_overrides(p, 'train.eval_steps=6; old_train.max_steps=7')
+        assert p.eval.steps == 6 and p.train.max_steps == 7
+        p.old_train.max_steps = 8  # attribute access through a same-level alias
+        assert p.train.max_steps == 8
+    messages = [r.getMessage() for r in caplog.records]
+    assert (
+        "Parameter 'train.eval_steps' is deprecated; use 'eval.steps' (Lingvo's tree)." in messages
+    )
+    assert any("'old_train' is deprecated; use 'train'" in m for m in messages)
+    # Aliases are not fields: the text form has only the new names, and survives Copy().
+    assert 'eval_steps' not in p.ToText() and 'old_train' not in p.ToText()
+    assert p.Copy().Get('train.eval_steps') == 6
+    # A moved name, reached as an attribute of the nested params, says where it went.
+    with pytest.raises(AttributeError, match="'eval_steps': it moved to 'eval.steps'"):
+        p.train.eval_steps = 3

@@ -68,7 +68,7 @@ def test_inspect_model_memory_follows_the_optimizer():
     task_p, input_p = model_registry.GetParams('lm.synthetic.TransformerLmTiny')
     column = {}
     for optimizer in ('adam', 'sgd', 'momentum'):
-        task_p.learner.optimizer = optimizer
+        task_p.train.learner.optimizer = optimizer
         table, total = trainer.InspectModel(task_p, input_p)
         rows = table.splitlines()[2 : 2 + task_p.pipeline.num_partitions]
         column[optimizer] = sum(float(r.split()[-2]) for r in rows)

@@ -102,8 +102,8 @@ def _finite_checkpoint(path):
 
 # An absurd learning rate, unclipped: the loss becomes NaN/Inf within a few steps.
 _DIVERGE = (
-    'task.learner.learning_rate=1e30; task.learner.warmup_steps=0; '
-    'task.learner.clip_gradient_norm=0.0; '
+    'task.train.learner.learning_rate=1e30; task.train.learner.warmup_steps=0; '
+    'task.train.learner.clip_gradient_norm=0.0; '
 )
 
 

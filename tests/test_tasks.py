@@ -54,9 +54,9 @@ def _task_gradients(key, overrides, padded):
 
     model = model_registry.GetClass(key)()
     p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
-    hyperparams.apply_overrides(p, 'train.batch_size=7; task.random_seed=7; ' + overrides)
+    hyperparams.apply_overrides(p, 'input.batch_size=7; task.random_seed=7; ' + overrides)
     task = p.task.Instantiate()
-    batch = p.train.Instantiate().GetBatch(tf.constant(3, tf.int64))
+    batch = p.input.Instantiate().GetBatch(tf.constant(3, tf.int64))
     if padded:  # token weights that differ between examples: the mean is over tokens
         batch.weights = batch.weights * tf.cast(
             tf.sequence_mask(tf.range(7) % 5 + 3, tf.shape(batch.weights)[1]), tf.float32

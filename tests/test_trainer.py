@@ -88,7 +88,7 @@ def test_inspect_and_errors(tmp_path):
     )
     assert params.returncode == 0, params.stderr[-2000:]
     assert 'task.pipeline.num_micro_batches : 16' in params.stdout
-    assert 'train.batch_size : 64' in params.stdout
+    assert 'input.batch_size : 64' in params.stdout
     model = _trainer(f'--model={MODEL}', '--mode=inspect_model')
     assert model.returncode == 0 and 'total parameters: 208,320' in model.stdout
     typo = _trainer('--model=lm.synthetic.TransformerLmTni', '--mode=inspect_params')
@@ -223,3 +223,34 @@ def test_a_training_step_computes_on_the_stages_only(tmp_path, key):
     graph = t._train_step.get_concrete_function().graph
     assert [op for op in bulk_unplaced(graph) if ':input/' not in op] == []
     assert misplaced_updates(graph) == []
+
+
+def test_lingvo_tree_and_the_old_names():
+    """input.* is the training input, task.train.* the loop and learner, task.eval.* the
+    evaluation; the earlier names still work, each with a deprecation warning."""
+    from tf_gpipe import hyperparams, model_registry
+    from tf_gpipe.trainer import trainer
+
+    model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
+    model = model_registry.GetClass(MODEL)()
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    text = p.ToText()
+    for name in ('input.batch_size', 'task.train.max_steps', 'task.train.learner.optimizer',
+                 'task.eval.steps', 'task.eval.interval_steps'):  # fmt: skip
+        assert f'{name} :' in text
+    for old in ('train.batch_size', 'task.learner.', 'eval_steps', 'eval_interval_steps'):
+        assert old not in text
+    hyperparams.apply_overrides(
+        p,
+        'train.batch_size=8; train.max_steps=100; task.learner.learning_rate=0.5; '
+        'task.train.eval_steps=3; task.train.eval_interval_steps=30',
+    )
+    assert p.input.batch_size == 8 and p.task.train.max_steps == 100
+    assert p.task.train.learner.learning_rate == 0.5
+    assert (p.task.eval.steps, p.task.eval.interval_steps) == (3, 30)
+    run = _trainer(
+        f'--model={MODEL}', '--mode=inspect_params', '--params_override=train.max_steps=100'
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert 'task.train.max_steps : 100' in run.stdout
+    assert "Parameter 'train.max_steps' is deprecated; use 'task.train.max_steps'" in run.stderr

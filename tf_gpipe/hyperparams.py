@@ -12,6 +12,7 @@ import importlib
 import re
 
 import tensorflow as tf
+from absl import logging
 
 _IDENTIFIER = re.compile(r'^[A-Za-z_][A-Za-z0-9_]*$')
 # One path component in text: `name` or `name[3]`.
@@ -85,6 +86,8 @@ class Params:
     def __init__(self):
         object.__setattr__(self, '_params', {})
         object.__setattr__(self, '_immutable', False)
+        object.__setattr__(self, '_aliases', {})  # old path (tuple) -> new path (tuple)
+        object.__setattr__(self, '_moved', {})  # name -> where it went (for error messages)
 
     # ---- definition and access --------------------------------------------------------------
 
@@ -100,22 +103,69 @@ class Params:
             raise AttributeError(f"'{name}' is reserved by Params; pick another name.")
         self._params[name] = _Param(name, default_value, description)
 
+    def DefineAlias(self, old, new):
+        """An old dotted name that still works, with a deprecation warning naming `new` (a
+        dotted path from this Params): `p.DefineAlias('learner', 'train.learner')`. An old
+        name may be dotted too ('train.eval_steps'), for Set/Get/overrides/text."""
+        if '.' in old:  # attribute access on the nested params: an error that says where
+            parts = self._Dealias(_split_path(old), warn=False)
+            parent = self
+            for i, part in enumerate(parts[:-1]):
+                parent = _step(parent, part, parts[: i + 1])
+            parent._moved[parts[-1]] = new
+        self._aliases[tuple(_split_path(old))] = tuple(_split_path(new))
+        return self
+
+    def _Dealias(self, parts, prefix=(), warn=True):
+        """`parts` with every deprecated prefix replaced by its new path (warning once each)."""
+        parts, node, i = list(parts), self, 0
+        while isinstance(node, Params) and i < len(parts):
+            for old, new in sorted(node._aliases.items(), key=lambda kv: -len(kv[0])):
+                if tuple(parts[i : i + len(old)]) == old:
+                    if warn:
+                        _deprecated(
+                            prefix + tuple(parts[: i + len(old)]), prefix + tuple(parts[:i]) + new
+                        )
+                    parts[i : i + len(old)] = list(new)
+                    break
+            if i == len(parts) - 1 or not isinstance(parts[i], (str, int)):
+                break
+            try:
+                node = _step(node, parts[i], parts[: i + 1])
+            except (AttributeError, IndexError):
+                break
+            i += 1
+        return parts
+
+    def _Missing(self, name, params):
+        if name in self._moved:
+            return (
+                f"Params has no parameter '{name}': it moved to '{self._moved[name]}' of the "
+                "enclosing params (Lingvo's tree)"
+            )
+        return f"Params has no parameter '{name}'{_closest(name, params)}"
+
     def __getattr__(self, name):
         if name.startswith('__'):
             raise AttributeError(name)
         params = object.__getattribute__(self, '_params')
         if name in params:
             return params[name].value
-        raise AttributeError(f"Params has no parameter '{name}'{_closest(name, params)}.")
+        aliases = object.__getattribute__(self, '_aliases')
+        if (name,) in aliases:
+            _deprecated((name,), aliases[(name,)])
+            return self.Get(_join_path(aliases[(name,)]))
+        raise AttributeError(self._Missing(name, params) + '.')
 
     def __setattr__(self, name, value):
         if self._immutable:
             raise TypeError(f"Cannot set '{name}': this Params is frozen (Copy() it to change).")
         if name not in self._params:
-            raise AttributeError(
-                f"Params has no parameter '{name}'{_closest(name, self._params)}; "
-                'Define() it first.'
-            )
+            if (name,) in self._aliases:
+                _deprecated((name,), self._aliases[(name,)])
+                self.Set(**{_join_path(self._aliases[(name,)]): value})
+                return
+            raise AttributeError(self._Missing(name, self._params) + '; Define() it first.')
         self._params[name].value = value
 
     def __contains__(self, name):
@@ -128,8 +178,9 @@ class Params:
         return sorted(set(super().__dir__()) | set(self._params))
 
     def _Resolve(self, path):
-        """Walks a dotted path; returns (container, last key)."""
+        """Walks a dotted path (deprecated names replaced); returns (container, last key)."""
         parts = _split_path(path) if isinstance(path, str) else path
+        parts = self._Dealias(parts)
         node = self
         for i, part in enumerate(parts[:-1]):
             node = _step(node, part, parts[: i + 1])
@@ -167,6 +218,8 @@ class Params:
         new = object.__new__(type(self))
         object.__setattr__(new, '_params', {})
         object.__setattr__(new, '_immutable', False)
+        object.__setattr__(new, '_aliases', dict(self._aliases))
+        object.__setattr__(new, '_moved', dict(self._moved))
         for name, param in self._params.items():
             new._params[name] = _Param(name, _copy_value(param.value), param.description)
         return new
@@ -286,6 +339,16 @@ class Params:
             _replace_params(self, parts[:-1], value)
             return
         _assign(node, last, value, key)
+
+
+_WARNED = set()
+
+
+def _deprecated(old, new):
+    old, new = _join_path(old), _join_path(new)
+    if old not in _WARNED:
+        _WARNED.add(old)
+        logging.warning("Parameter '%s' is deprecated; use '%s' (Lingvo's tree).", old, new)
 
 
 def _step(node, part, parts_so_far):

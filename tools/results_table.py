@@ -3,6 +3,7 @@
     python tools/results_table.py docs/results/peak_memory.json
     python tools/results_table.py docs/results/schedules.json
     python tools/results_table.py docs/results/timeline_*.json
+    python tools/results_table.py docs/results/max_model_size_amoebanet.json
 
 Nothing is typed by hand: each table is this script's output for files that
 `make engine-results` (peak_memory.py, benchmark.py, timeline.py) wrote.
@@ -82,9 +83,34 @@ def timeline_table(results):
     return lines
 
 
+def max_size_table(result):
+    """Table 1: the largest model per setting in one budget (tools/max_model_size.py)."""
+    knob = result['knob']
+    lines = [
+        f'{result["family"]} {result["config"]}, batch {result["batch_size"]}, '
+        f'M={result["num_micro_batches"]}, Adam, {result["budget_mb"]} MB per device '
+        f'({result.get("date", "")}; `{result.get("command", "")}`):',
+        '',
+        f'| setting | {knob} | params | x naive | weights+Adam MiB | peak step MiB |',
+        '|---|---|---|---|---|---|',
+    ]
+    base = result['rows'][0].get('params')
+    for r in result['rows']:
+        ratio = f'{r["params"] / base:.2f}' if base and r.get('params') else '-'
+        peak = r.get('peak_step_bytes')
+        lines.append(
+            f'| {r["setting"]} | {r["knob"]} | {r.get("params", 0):,} | {ratio} | '
+            f'{r.get("param_bytes", 0) / 2**20:.1f} | '
+            f'{"-" if peak is None else f"{peak / 2**20:.1f}"} |'
+        )
+    return lines
+
+
 def table(paths):
     loaded = [json.load(open(p)) for p in paths]
     first = loaded[0]
+    if isinstance(first, dict) and 'budget_mb' in first:
+        return max_size_table(first)
     if isinstance(first, dict) and 'rows' in first:
         return memory_table(first)
     if isinstance(first, list):

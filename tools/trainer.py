@@ -30,7 +30,7 @@ MODEL = flags.DEFINE_string(
 LOGDIR = flags.DEFINE_string('logdir', None, 'Directory for checkpoints and summaries.')
 MODE = flags.DEFINE_enum('mode', 'train', MODES, 'What to do.')
 OVERRIDE = flags.DEFINE_string(
-    'params_override', '', "e.g. 'task.pipeline.num_micro_batches=16; train.batch_size=32'."
+    'params_override', '', "e.g. 'task.pipeline.num_micro_batches=16; input.batch_size=32'."
 )
 PARAMS_DIR = flags.DEFINE_string(
     'params_dir', None, 'Extra directory of params/<task>/<file>.py files.'
@@ -132,7 +132,7 @@ def main(argv):
         return
     if MODE.value == 'inspect_model':
         try:
-            table, _ = trainer.InspectModel(p.task, p.train)
+            table, _ = trainer.InspectModel(p.task, p.input)
         except ValueError as e:
             sys.exit(f'trainer: {_for_this_command(e)}')
         print(table)

@@ -35,7 +35,7 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             label_smoothing=0.1,
         )
         p.pipeline.Set(num_partitions=self.K, num_micro_batches=self.M, recompute='except_last')
-        p.learner.Set(
+        p.train.learner.Set(
             optimizer='momentum',
             learning_rate=0.1,
             schedule='cosine',
@@ -43,7 +43,8 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             total_steps=60000,
             l2_regularizer_weight=5e-4,
         )
-        p.train.Set(max_steps=60000, save_interval_steps=2000, eval_interval_steps=2000)
+        p.train.Set(max_steps=60000, save_interval_steps=2000)
+        p.eval.Set(interval_steps=2000)
         return p
 
 

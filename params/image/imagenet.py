@@ -34,7 +34,7 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             label_smoothing=0.1,
         )
         p.pipeline.Set(num_partitions=self.K, num_micro_batches=self.M, recompute='except_last')
-        p.learner.Set(
+        p.train.learner.Set(
             optimizer='rmsprop',
             learning_rate=0.256,
             schedule='cosine',
@@ -43,7 +43,8 @@ class AmoebaNetD(base_model_params.SingleTaskModelParams):
             l2_regularizer_weight=1e-5,
             clip_gradient_norm=10.0,
         )
-        p.train.Set(max_steps=400000, save_interval_steps=5000, eval_interval_steps=5000)
+        p.train.Set(max_steps=400000, save_interval_steps=5000)
+        p.eval.Set(interval_steps=5000)
         return p
 
 

@@ -24,8 +24,7 @@ class AmoebaNetTiny(base_model_params.SingleTaskModelParams):
             random_seed=1,
         )
         p.pipeline.Set(num_partitions=4, num_micro_batches=4, recompute='except_last')
-        p.learner.Set(optimizer='adam', learning_rate=3e-3, clip_gradient_norm=5.0)
-        p.train.Set(
-            max_steps=200, log_interval_steps=20, save_interval_steps=100, eval_interval_steps=100
-        )
+        p.train.learner.Set(optimizer='adam', learning_rate=3e-3, clip_gradient_norm=5.0)
+        p.train.Set(max_steps=200, log_interval_steps=20, save_interval_steps=100)
+        p.eval.Set(interval_steps=100)
         return p

@@ -25,14 +25,13 @@ class TransformerNmtTiny(base_model_params.SingleTaskModelParams):
         )
         p.layer_tpl.Set(num_heads=4, hidden_dim=128)
         p.pipeline.Set(num_partitions=4, num_micro_batches=4, recompute='except_last')
-        p.learner.Set(
+        p.train.learner.Set(
             optimizer='adam',
             learning_rate=3e-3,
             schedule='warmup_rsqrt',
             warmup_steps=50,
             clip_gradient_norm=1.0,
         )
-        p.train.Set(
-            max_steps=400, log_interval_steps=20, save_interval_steps=200, eval_interval_steps=200
-        )
+        p.train.Set(max_steps=400, log_interval_steps=20, save_interval_steps=200)
+        p.eval.Set(interval_steps=200)
         return p

@@ -30,14 +30,15 @@ class TransformerNmtBase(base_model_params.SingleTaskModelParams):
         )
         p.layer_tpl.Set(num_heads=self.NUM_HEADS, hidden_dim=self.HIDDEN_DIM, dropout_prob=0.1)
         p.pipeline.Set(num_partitions=self.K, num_micro_batches=self.M, recompute='except_last')
-        p.learner.Set(
+        p.train.learner.Set(
             optimizer='adam',
             learning_rate=1e-3,
             schedule='warmup_rsqrt',
             warmup_steps=4000,
             clip_gradient_norm=1.0,
         )
-        p.train.Set(max_steps=200000, save_interval_steps=2000, eval_interval_steps=2000)
+        p.train.Set(max_steps=200000, save_interval_steps=2000)
+        p.eval.Set(interval_steps=2000)
         return p
 
 

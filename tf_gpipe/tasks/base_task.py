@@ -23,12 +23,12 @@ def PipelineParams():
 
 
 def TrainParams():
+    """The training loop (Lingvo's task.train): steps, intervals, checkpoints, the learner."""
     p = hyperparams.Params()
+    p.Define('learner', Learner.Params(), 'Optimizer, learning rate and its schedule, clipping.')
     p.Define('max_steps', 1000, 'Training stops at this global step.')
     p.Define('log_interval_steps', 20, 'Log and write summaries every this many steps.')
     p.Define('save_interval_steps', 200, 'Checkpoint every this many steps (and at the end).')
-    p.Define('eval_interval_steps', 200, "Evaluate every this many steps ('train_and_eval').")
-    p.Define('eval_steps', 4, 'Batches per evaluation.')
     p.Define('max_checkpoints_to_keep', 5, 'Older checkpoints are deleted.')
     p.Define(
         'init_from_checkpoint_rules',
@@ -44,6 +44,14 @@ def TrainParams():
         "naming the step; the last checkpoint stays the last good state) or 'skip' (training "
         'goes on; the step is counted in nonfinite_steps).',
     )
+    return p
+
+
+def EvalParams():
+    """Evaluation settings (Lingvo's task.eval)."""
+    p = hyperparams.Params()
+    p.Define('interval_steps', 200, "Evaluate every this many training steps ('train_and_eval').")
+    p.Define('steps', 4, 'Batches per evaluation.')
     return p
 
 
@@ -97,8 +105,12 @@ class BaseTask(base_layer.BaseLayer):
     def Params(cls):
         p = super().Params()
         p.Define('pipeline', PipelineParams(), 'Pipeline settings.')
-        p.Define('learner', Learner.Params(), 'Optimizer and schedule.')
-        p.Define('train', TrainParams(), 'Training loop settings.')
+        p.Define('train', TrainParams(), 'Training loop settings and the learner.')
+        p.Define('eval', EvalParams(), 'Evaluation settings.')
+        # The names before Lingvo's tree, still accepted (with a deprecation warning).
+        p.DefineAlias('learner', 'train.learner')
+        p.DefineAlias('train.eval_interval_steps', 'eval.interval_steps')
+        p.DefineAlias('train.eval_steps', 'eval.steps')
         return p
 
     @classmethod

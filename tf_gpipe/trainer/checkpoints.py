@@ -189,7 +189,7 @@ class NamedCheckpoint:
             if theirs != self.optimizer_name:
                 raise RuntimeError(
                     f"Checkpoint {path} was written with optimizer '{theirs}', this model uses "
-                    f"'{self.optimizer_name}'. Set task.learner.optimizer={theirs} to resume, "
+                    f"'{self.optimizer_name}'. Set task.train.learner.optimizer={theirs} to resume, "
                     'or start in a new --logdir and warm-start the weights with '
                     'task.train.init_from_checkpoint_rules.'
                 )

@@ -41,11 +41,11 @@ def _problems(task_p):
     for name in (
         'log_interval_steps',
         'save_interval_steps',
-        'eval_interval_steps',
-        'eval_steps',
         'max_checkpoints_to_keep',
     ):
         _at_least(problems, f'task.train.{name}', train.Get(name), 1)
+    for name in ('interval_steps', 'steps'):
+        _at_least(problems, f'task.eval.{name}', task_p.eval.Get(name), 1)
     rules = train.init_from_checkpoint_rules
     if not isinstance(rules, dict) or not all(_is_rule(r) for r in rules.values()):
         problems.append(
@@ -53,17 +53,17 @@ def _problems(task_p):
             "([(regex, format)], [ignore regex])}, e.g. {'/old/ckpt-100': "
             "([('task/network/(.*)', 'task/network/%s')], [])}"
         )
-    learner = task_p.learner
-    _positive_number(problems, 'task.learner.learning_rate', learner.learning_rate)
-    _positive_number(problems, 'task.learner.epsilon', learner.epsilon)
+    learner = train.learner
+    _positive_number(problems, 'task.train.learner.learning_rate', learner.learning_rate)
+    _positive_number(problems, 'task.train.learner.epsilon', learner.epsilon)
     for name in ('clip_gradient_norm', 'l2_regularizer_weight'):
-        _positive_number(problems, f'task.learner.{name}', learner.Get(name), allow_zero=True)
+        _positive_number(problems, f'task.train.learner.{name}', learner.Get(name), allow_zero=True)
     for name in ('warmup_steps', 'total_steps'):
-        _at_least(problems, f'task.learner.{name}', learner.Get(name), 0)
+        _at_least(problems, f'task.train.learner.{name}', learner.Get(name), 0)
     for name in ('beta1', 'beta2', 'momentum'):
         value = learner.Get(name)
         if not isinstance(value, (int, float)) or not 0 <= value < 1:
-            problems.append(f'task.learner.{name}={value!r} must be in [0, 1)')
+            problems.append(f'task.train.learner.{name}={value!r} must be in [0, 1)')
     pipe = task_p.pipeline
     for name in ('num_partitions', 'num_micro_batches', 'virtual_stages', 'num_replicas'):
         _at_least(problems, f'task.pipeline.{name}', pipe.Get(name), 1)

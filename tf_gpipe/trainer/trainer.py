@@ -43,11 +43,19 @@ class _StopSignals:
 
 
 def ModelParams(task_p, train_input_p, test_input_p):
-    """One Params tree: task / train (input) / test (input); overrides address it."""
+    """One Params tree as in Lingvo: task (with task.train, the loop and learner, and
+    task.eval) / input (the training input) / test (the evaluation input); overrides address
+    it. The earlier root name `train` (the input) is accepted with a deprecation warning, and
+    `train.<loop setting>` means task.train.<loop setting>."""
     root = hyperparams.Params()
-    root.Define('task', task_p, 'The task: network, loss, learner, pipeline, loop settings.')
-    root.Define('train', train_input_p, 'Training input.')
+    root.Define('task', task_p, 'The task: network, loss, pipeline, train (loop, learner), eval.')
+    root.Define('input', train_input_p, 'Training input.')
     root.Define('test', test_input_p, 'Evaluation input.')
+    root.DefineAlias('train', 'input')
+    if 'train' in task_p:
+        for name, _ in task_p.train.IterParams():
+            if name not in train_input_p:
+                root.DefineAlias(f'train.{name}', f'task.train.{name}')
     return root
 
 
@@ -70,9 +78,9 @@ class Trainer:
         _check_logdir(self.logdir)
         p = self.params
         self.task = p.task.Instantiate()
-        self.train_input = p.train.Instantiate()
+        self.train_input = p.input.Instantiate()
         self.test_input = p.test.Instantiate()
-        self.learner = p.task.learner.Instantiate()
+        self.learner = p.task.train.learner.Instantiate()
         self.variables = list(self.task.trainable_variables)
         self.learner.Build(self.variables)
         self.regularized = self.task.RegularizedVariables()
@@ -93,7 +101,7 @@ class Trainer:
         self.named_checkpoint = checkpoints.NamedCheckpoint(
             self.task,
             self.learner.optimizer,
-            p.task.learner.optimizer,
+            p.task.train.learner.optimizer,
             self.variables,
             num_replicas=p.task.pipeline.num_replicas if 'pipeline' in p.task else 1,
             global_step=self.global_step,
@@ -233,7 +241,11 @@ class Trainer:
                     start, start_step = time.time(), step
                 if step % tp.save_interval_steps == 0:
                     self.manager.save(checkpoint_number=step)
-                if eval_too and step % tp.eval_interval_steps == 0 and not stop.signal:
+                if (
+                    eval_too
+                    and step % self.params.task.eval.interval_steps == 0
+                    and not stop.signal
+                ):
                     self.Evaluate()
             latest = self.manager.latest_checkpoint
             if latest is None or not latest.endswith(f'-{step}'):
@@ -263,19 +275,19 @@ class Trainer:
             f'Training diverged at step {step}: loss {float(out.loss)}, gradient norm '
             f'{float(out.grad_norm)}. Nothing of that step was applied or saved; the last '
             f'checkpoint ({self.manager.latest_checkpoint}) is the last good state. Lower the '
-            'learning rate, clip gradients (task.learner.clip_gradient_norm), or set '
+            'learning rate, clip gradients (task.train.learner.clip_gradient_norm), or set '
             'task.train.nonfinite_policy=skip to skip such steps.'
         )
 
     def Evaluate(self):
-        """Metrics averaged over task.train.eval_steps test batches; written to logdir/eval."""
+        """Metrics averaged over task.eval.steps test batches; written to logdir/eval."""
         self.Build()
         if int(self.global_step) == 0 and self.Restore() is None:
             raise RuntimeError(
                 f'No checkpoint in {self.logdir}/checkpoints to evaluate; train first.'
             )
         totals = {}
-        n = self.params.task.train.eval_steps
+        n = self.params.task.eval.steps
         for i in range(n):
             for k, v in self._eval_step(tf.constant(i, tf.int64)).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / n
@@ -308,7 +320,7 @@ def InspectModel(task_p, input_p=None):
     rows = [('cell', 'layers', 'params', 'param+opt MB', 'act MB/micro-batch')]
     total = 0
     m = network_p.num_micro_batches
-    slots = OptimizerSlots(task_p.learner)
+    slots = OptimizerSlots(task_p.train.learner)
     for k, (a, b) in enumerate(partition.blocks(splits)):
         params = sum(meta.param_count for meta in metas[a:b])
         total += params
@@ -329,7 +341,8 @@ def InspectModel(task_p, input_p=None):
     shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
     lines.append(f'total parameters: {total:,}  (activation estimate for input shape {shape})')
     lines.append(
-        f'param+opt: weights, gradient sums and {slots} {task_p.learner.optimizer} slot(s) per '
+        f'param+opt: weights, gradient sums and {slots} {task_p.train.learner.optimizer} slot(s) '
+        'per '
         'parameter, float32'
     )
     return '\n'.join(lines), total
