@@ -68,3 +68,37 @@ def test_worker_refuses_a_task_outside_the_job():
         env={k: v for k, v in os.environ.items() if k != 'TF_CONFIG'},
     )
     assert no_cluster.returncode == 1 and 'set TF_CONFIG' in no_cluster.stderr
+
+
+def test_workers_of_a_killed_client_do_not_outlive_it():
+    """LocalCluster's workers exit when their client dies, even by SIGKILL (no orphans)."""
+    import signal
+    import time
+
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            '-c',
+            'import time\n'
+            'from tf_gpipe import local_cluster\n'
+            'c = local_cluster.LocalCluster(1).start()\n'
+            'print(c.processes[0].pid, flush=True)\n'
+            'time.sleep(600)\n',
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
+    )
+    worker_pid = int(client.stdout.readline())
+    os.kill(client.pid, signal.SIGKILL)
+    client.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(worker_pid, 0)  # still there?
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(worker_pid, signal.SIGKILL)
+        raise AssertionError('the worker outlived its killed client by 30 s')

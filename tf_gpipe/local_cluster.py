@@ -73,6 +73,7 @@ class LocalCluster:
             package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             path = [package_root] + [p for p in [env.get('PYTHONPATH')] if p]
             worker_env['PYTHONPATH'] = os.pathsep.join(path)
+            worker_env['TF_GPIPE_EXIT_WITH_PARENT'] = str(os.getpid())  # no orphans
             if self._cores is not None:
                 # One core and one compute thread; a second inter-op thread lets a finished
                 # micro-batch's Send run while the next micro-batch computes (with one, the

@@ -9,10 +9,15 @@ Everything it runs arrives from the trainer (the cluster's client) over TF's own
 
 import os
 import sys
+import threading
+import time
 
 import tensorflow as tf
 
 from tf_gpipe import cluster_spec
+
+# Set to the client's pid (LocalCluster does): the worker exits when that process is gone.
+EXIT_WITH_PARENT = 'TF_GPIPE_EXIT_WITH_PARENT'
 
 
 def Serve(spec, job_name, task_index, wait=True):
@@ -41,7 +46,21 @@ def Serve(spec, job_name, task_index, wait=True):
     return server
 
 
+def _exit_with_parent(parent_pid, poll=1.0):
+    """A worker started for one client (LocalCluster) ends when that client does, even if it
+    was killed: an orphan's parent becomes another process."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def _main():
+    if os.environ.get(EXIT_WITH_PARENT):
+        _exit_with_parent(int(os.environ[EXIT_WITH_PARENT]))
     spec, task = cluster_spec.from_tf_config()
     if spec is None or not task:
         sys.exit(
