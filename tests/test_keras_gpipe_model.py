@@ -524,3 +524,25 @@ def test_embedding_with_adam_matches_plain_keras(schedule):
         m.compile(keras.optimizers.Adam(0.01), 'sparse_categorical_crossentropy')
         m.fit(ids, labels, batch_size=16, epochs=2, shuffle=False, verbose=0)
     _assert_same_weights(pipe, plain)
+
+
+def test_keras_user_findings():
+    """What a Keras user hit: a misspelt option, GPipe under a strategy scope, an uncompiled
+    model called in training mode, validation_split leaving batches M does not divide."""
+    with pytest.raises(TypeError, match="unknown argument 'num_micro_batch' \\(did you mean "):
+        GPipe(_mlp(), num_micro_batch=4)
+    strategy = tf.distribute.MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])
+    with strategy.scope():
+        with pytest.raises(ValueError, match='inside the scope of MirroredStrategy'):
+            GPipe(_mlp(), num_partitions=2)
+    uncompiled = GPipe(_mlp(), num_partitions=2, num_micro_batches=2)
+    plain = _mlp()
+    np.testing.assert_allclose(
+        uncompiled(X[:5], training=True), plain(X[:5], training=True), rtol=1e-5, atol=1e-6
+    )
+    # 64 examples, 20% for validation: 51 to train in batches of 8 (the last of 3), M=4.
+    plain = _compile(_mlp())
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=4))
+    fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, validation_split=0.2)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)

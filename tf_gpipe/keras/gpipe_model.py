@@ -8,6 +8,7 @@ batch — for every loss reduction, sample weights and losses that mix examples 
 example updates the metrics once.
 """
 
+import difflib
 import re
 
 import keras
@@ -79,6 +80,8 @@ class GPipeModel(keras.Model):
         name=None,
         **kwargs,
     ):
+        _check_options(kwargs)
+        _check_no_strategy()
         _check_sequential(sequential)
         originals = _flat_layers(sequential)
         if not originals:
@@ -315,6 +318,47 @@ def _check_sequential(model):
             'inputs can become one custom layer), or build a PipelinedLayer with cell_tpl.'
         )
     raise TypeError(f'GPipe takes a keras.Sequential, got {type(model).__name__}: {model!r}.')
+
+
+_OPTIONS = (
+    'num_partitions',
+    'balance',
+    'num_micro_batches',
+    'recompute',
+    'schedule',
+    'virtual_stages',
+    'devices',
+    'partition_by',
+    'jit_compile',
+    'input_shape',
+    'input_dtype',
+    'name',
+)
+
+
+def _check_options(kwargs):
+    """A misspelt GPipe option names the closest one (Keras alone says 'Unrecognized keyword
+    arguments'); anything else goes on to keras.Model."""
+    for key in kwargs:
+        close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.75)
+        if close:
+            raise TypeError(
+                f'GPipe got an unknown argument {key!r} (did you mean {close[0]!r}?). Its '
+                f'options: {", ".join(_OPTIONS)}.'
+            )
+
+
+def _check_no_strategy():
+    """Under a tf.distribute strategy's scope every replica would run the same K cells on the
+    same devices; refuse rather than pretend to be data-parallel."""
+    if tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+        raise ValueError(
+            f'GPipe was built inside the scope of {type(strategy).__name__}: the pipeline does '
+            'not run under a tf.distribute strategy yet, so every replica would run the same '
+            'cells on the same devices. Build GPipe outside the strategy scope (its K devices '
+            'come from devices=... or the current tf_gpipe mesh).'
+        )
 
 
 def _flat_layers(sequential):
