@@ -546,3 +546,42 @@ def test_keras_user_findings():
     fit = dict(batch_size=8, epochs=2, shuffle=False, verbose=0, validation_split=0.2)
     _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
     _assert_same_weights(pipe, plain)
+
+
+class _Block(keras.layers.Layer):
+    """A custom layer as plain Keras allows it: sublayers, no build(), no output shape."""
+
+    def __init__(self, units, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.inner = keras.layers.Dense(units, activation='relu')
+        self.outer = keras.layers.Dense(units)
+
+    def call(self, x):
+        return x + self.outer(self.inner(x))
+
+    def get_config(self):
+        return {**super().get_config(), 'units': self.units}
+
+
+@pytest.mark.parametrize('partition_by', ['flops', 'uniform'])
+def test_custom_layer_without_build_trains_like_plain_keras(partition_by):
+    def model():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential(
+            [
+                keras.Input((8,)),
+                _Block(8, name='blk0'),
+                _Block(8, name='blk1'),
+                keras.layers.Dense(3),
+            ]
+        )
+
+    plain = _compile(model())
+    pipe = _compile(
+        GPipe(model(), num_partitions=2, num_micro_batches=2, partition_by=partition_by)
+    )
+    assert len(pipe.trainable_variables) == len(plain.trainable_variables) == 10
+    fit = dict(batch_size=16, epochs=1, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
+    _assert_same_weights(pipe, plain)

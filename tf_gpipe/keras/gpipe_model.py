@@ -100,9 +100,12 @@ class GPipeModel(keras.Model):
                 keras_layer=type(layer),
                 config=layer.get_config(),
                 input_shape=shape,
+                input_dtype=layer_dtype,
                 autocast=False,
             )
-            for layer_name, layer, shape in zip(_param_names(originals), originals, in_shapes)
+            for layer_name, layer, (shape, layer_dtype) in zip(
+                _param_names(originals), originals, in_shapes
+            )
         ]
         pipe_p = PipelinedLayer.Params().Set(
             name='gpipe',
@@ -407,11 +410,11 @@ def _batch_shape(sequential, input_shape, input_dtype):
 
 
 def _layer_shapes(layers, batch_shape, dtype):
-    """Each layer's input batch shape, and the model's output KerasTensor."""
+    """Each layer's input (batch shape, dtype), and the model's output KerasTensor."""
     spec = keras.KerasTensor(batch_shape, dtype=dtype)
     shapes = []
     for layer in layers:
-        shapes.append(tuple(spec.shape))
+        shapes.append((tuple(spec.shape), spec.dtype))
         try:
             if layer.built:
                 spec = layer.compute_output_spec(spec)

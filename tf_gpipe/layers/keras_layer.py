@@ -52,6 +52,9 @@ class KerasLayer(base_layer.BaseLayer):
         p.Define('config', {}, 'Keyword arguments of the Keras layer constructor.')
         p.Define('input_shape', None, 'Input shape with batch (None allowed) to build now.')
         p.Define(
+            'input_dtype', None, 'Input dtype, for a layer built by running it (None: fprop_dtype).'
+        )
+        p.Define(
             'autocast', True, 'Cast float inputs to fprop_dtype (off: the Keras dtype policy does).'
         )
         return p
@@ -69,9 +72,14 @@ class KerasLayer(base_layer.BaseLayer):
         if p.input_shape is not None:
             self._Build(tuple(p.input_shape))
 
-    def _Build(self, shape):
+    def _Build(self, shape, dtype=None):
         with _python_random_seeded(self._seed_for_build), tf.init_scope():
-            self._layer.build(shape)
+            if _builds_by_running(self._layer):
+                # No build() of its own (plain Keras allows that): its sublayers get their
+                # weights only when call() runs, so run it once on one zero example.
+                self._layer(*_zeros(shape, dtype or self.params.input_dtype or self.fprop_dtype))
+            else:
+                self._layer.build(shape)
         self._RegisterVariables()
         self._generators = keras_state.seed_generators(self._layer)
         self._batch_norms = keras_state.batch_norm_stats(self._layer)
@@ -110,7 +118,7 @@ class KerasLayer(base_layer.BaseLayer):
             inputs = [tf.cast(x, self.fprop_dtype) if x.dtype.is_floating else x for x in inputs]
         if not self._layer.built:
             shapes = [tuple(x.shape) for x in inputs]
-            self._Build(shapes[0] if len(shapes) == 1 else shapes)
+            self._Build(shapes[0] if len(shapes) == 1 else shapes, inputs[0].dtype)
         kwargs = {'training': fprop_context.current().training} if self._takes_training else {}
         keras_state.replay_seeds(self._generators)
         return self._layer(*inputs, **kwargs)
@@ -126,14 +134,30 @@ class KerasLayer(base_layer.BaseLayer):
         arg = shapes[0] if len(shapes) == 1 else shapes
         with keras.StatelessScope():  # Builds without allocating the weights.
             layer = _resolve(p.keras_layer, p.name).from_config(dict(p.config))
-            layer.build(arg)
-            out = tf.TensorShape(layer.compute_output_shape(arg))
+            if _builds_by_running(layer):  # a symbolic call builds its sublayers
+                dtype = p.input_dtype or p.fprop_dtype or p.dtype
+                specs = [keras.KerasTensor(s, dtype=dtype) for s in shapes]
+                out = tf.TensorShape(layer(*specs).shape)
+            else:
+                layer.build(arg)
+                out = tf.TensorShape(layer.compute_output_shape(arg))
             params = sum(_size(w.shape) for w in layer.trainable_weights)
         out_elems = base_layer.num_elements(out)
         positions = out_elems // max(int(out[-1] or 1), 1)
         act_bytes = out_elems * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
         # Estimate: each weight is used once per output position (exact for Dense).
         return base_layer.Meta(2 * params * positions + out_elems, out, params, act_bytes)
+
+
+def _builds_by_running(layer):
+    """A layer without a build() of its own (Keras builds it by running call())."""
+    return type(layer).build is keras.layers.Layer.build
+
+
+def _zeros(shape, dtype):
+    """One zero example (batch 1) per input of `shape` (one shape, or a list of them)."""
+    shapes = [shape] if not shape or not isinstance(shape[0], (list, tuple)) else shape
+    return [tf.zeros((1,) + tuple(s[1:]), tf.as_dtype(dtype)) for s in shapes]
 
 
 def _size(shape):
