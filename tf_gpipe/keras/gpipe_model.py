@@ -18,7 +18,9 @@ import tensorflow as tf
 from tf_gpipe import fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
+from tf_gpipe.keras import functional
 from tf_gpipe.layers.keras_layer import KerasLayer
+from tf_gpipe.layers.keras_node import KerasNodeLayer
 
 try:  # True while Keras traces a model on placeholders only to learn its output spec.
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
@@ -82,31 +84,40 @@ class GPipeModel(keras.Model):
     ):
         _check_options(kwargs)
         _check_no_strategy()
-        _check_sequential(sequential)
-        originals = _flat_layers(sequential)
-        if not originals:
-            raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
-        _check_supported(originals)
+        # A functional model, or a Sequential holding one (a keras.applications backbone), is
+        # cut as a graph of calls; a plain Sequential as a chain of layers.
+        is_functional = _check_model(sequential) or any(
+            functional.is_graph(layer) for layer in _flat_layers(sequential)
+        )
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
-        batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
-        in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
+        if is_functional:
+            originals, sub, batch_shape, dtype, out_spec = _functional_sub(sequential)
+        else:
+            originals = _flat_layers(sequential)
+            if not originals:
+                raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
+            _check_supported(originals)
+            batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
+            in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
+            sub = [
+                KerasLayer.Params().Set(
+                    name=layer_name,
+                    keras_layer=type(layer),
+                    config=layer.get_config(),
+                    input_shape=shape,
+                    input_dtype=layer_dtype,
+                    autocast=False,
+                )
+                for layer_name, layer, (shape, layer_dtype) in zip(
+                    _param_names(originals), originals, in_shapes
+                )
+            ]
         num_partitions, splits = _splits(originals, num_partitions, balance, devices)
         super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
+        # A functional model is saved as its own config (the graph), a Sequential by layers.
+        self._source = keras.saving.serialize_keras_object(sequential) if is_functional else None
         cost_batch = _COST_BATCH.get(partition_by, 1)
-        sub = [
-            KerasLayer.Params().Set(
-                name=layer_name,
-                keras_layer=type(layer),
-                config=layer.get_config(),
-                input_shape=shape,
-                input_dtype=layer_dtype,
-                autocast=False,
-            )
-            for layer_name, layer, (shape, layer_dtype) in zip(
-                _param_names(originals), originals, in_shapes
-            )
-        ]
         pipe_p = PipelinedLayer.Params().Set(
             name='gpipe',
             sub=sub,
@@ -279,7 +290,7 @@ class GPipeModel(keras.Model):
     # ---- saving ------------------------------------------------------------------------------
 
     def get_config(self):
-        return dict(
+        config = dict(
             name=self.name,
             layers=[keras.saving.serialize_keras_object(layer) for layer in self.partition_layers],
             input_shape=list(self._batch_shape[1:]),
@@ -287,13 +298,22 @@ class GPipeModel(keras.Model):
             balance=self.balance,
             **self._options,
         )
+        if self._source is not None:
+            config['functional'] = self._source
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
+        layer_configs = config.pop('layers')
+        if 'functional' in config:  # the graph again (fresh weights; Keras loads the saved)
+            model = keras.saving.deserialize_keras_object(
+                config.pop('functional'), custom_objects=custom_objects
+            )
+            return cls(model, **config)
         layers = [
             keras.saving.deserialize_keras_object(c, custom_objects=custom_objects)
-            for c in config.pop('layers')
+            for c in layer_configs
         ]
         # Unbuilt: the layers get their weights only on their devices (then Keras loads them).
         return cls(keras.Sequential(layers), **config)
@@ -309,18 +329,61 @@ def _backing(variable):
     )
 
 
-def _check_sequential(model):
+def _check_model(model):
+    """True for a functional model, False for a Sequential; anything else is refused."""
     if isinstance(model, keras.Sequential):
-        return
+        return False
+    if isinstance(model, keras.Model) and type(model).__name__ == 'Functional':
+        return True
     if isinstance(model, keras.Model):
-        kind = 'functional' if type(model).__name__ == 'Functional' else 'subclassed'
         raise TypeError(
-            f'GPipe pipelines a keras.Sequential (a chain of layers); got the {kind} model '
-            f'{model.name!r}. A model whose layers branch, merge or run custom code cannot be cut '
-            'into a chain of cells: rewrite it as keras.Sequential([...]) (a block with several '
-            'inputs can become one custom layer), or build a PipelinedLayer with cell_tpl.'
+            f'GPipe pipelines a keras.Sequential or a functional keras.Model (a graph of layer '
+            f'calls); got the subclassed model {model.name!r}, whose call() is Python code with '
+            'no graph to cut. Build it functionally (keras.Model(inputs, outputs)), or build a '
+            'PipelinedLayer with cell_tpl.'
         )
-    raise TypeError(f'GPipe takes a keras.Sequential, got {type(model).__name__}: {model!r}.')
+    raise TypeError(f'GPipe takes a keras.Sequential or functional keras.Model, got {model!r}.')
+
+
+def _functional_sub(model):
+    """(layers per step, KerasNodeLayer params, input batch shape, dtype, output spec)."""
+    try:
+        model.inputs[0]
+    except (AttributeError, ValueError, IndexError, TypeError):
+        raise ValueError(
+            f'GPipe needs the input shape of {model.name!r}: start it with keras.Input(shape=...).'
+        ) from None
+    steps, inputs, outputs, specs = functional.steps_of(model)
+    if len(inputs) != 1 or len(outputs) != 1:
+        raise ValueError(
+            f'{model.name!r} has {len(inputs)} inputs and {len(outputs)} outputs; GPipe cuts '
+            'functional models with one input and one output so far.'
+        )
+    if not steps:
+        raise ValueError(f'The model {model.name!r} has no layers to pipeline.')
+    originals = [step.layer for step in steps]
+    _check_supported(originals)
+    sub = []
+    for i, (name, step) in enumerate(zip(_param_names(originals), steps)):
+        sub.append(
+            KerasNodeLayer.Params().Set(
+                name=name,
+                keras_layer=type(step.layer),
+                config=step.layer.get_config(),
+                input_shape=[list(s) for s in step.arg_shapes],
+                args=step.args,
+                arg_dtypes=step.arg_dtypes,
+                outputs=step.outputs,
+                call_kwargs=step.call_kwargs,
+                keep=step.keep,
+                from_inputs=inputs if i == 0 else [],
+                to_outputs=outputs if i == len(steps) - 1 else [],
+                autocast=False,
+            )
+        )
+    shape, dtype = specs[inputs[0]]
+    out_shape, out_dtype = specs[outputs[0]]
+    return originals, sub, shape, dtype, keras.KerasTensor(out_shape, dtype=out_dtype)
 
 
 _OPTIONS = (
@@ -459,14 +522,6 @@ def _splits(layers, num_partitions, balance, devices):
             from tf_gpipe import cluster
 
             num_partitions = cluster.current_mesh().num_stages
-    nested = [layer.name for layer in layers if isinstance(layer, keras.Model)]
-    if num_partitions > n and nested:
-        # The PipelinedLayer would say K > layers; a Keras user needs to hear why there are few.
-        raise ValueError(
-            f'num_partitions={num_partitions} is larger than the number of layers ({n}): a '
-            f'functional model inside the Sequential ({", ".join(repr(x) for x in nested)}) '
-            f'is one layer and is not cut (nested Sequentials are). Use num_partitions <= {n}.'
-        )
     return num_partitions, None  # K is checked against the layers by the PipelinedLayer
 
 

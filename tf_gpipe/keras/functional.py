@@ -1,0 +1,177 @@
+"""A Keras model as a sequence of layer calls that carry the tensors still needed.
+
+A functional model is read from its own config (the graph Keras saves: each call's argument
+tensors by (layer, call, output) history) and ordered topologically; a model used as a layer
+(a keras.applications backbone, a nested Sequential) is inlined, so it is cut like the rest.
+For every step this gives the tensor keys it reads, the keys of its outputs and the keys to
+keep after it: a tensor is kept from the step that makes it to the last step that reads it, so
+skip connections cross the cells between without anyone declaring them.
+"""
+
+import dataclasses
+
+import keras
+
+
+@dataclasses.dataclass
+class Step:
+    layer: keras.layers.Layer
+    args: list  # nested lists of tensor keys
+    arg_dtypes: list
+    arg_shapes: list  # one batch shape per key, in the order the keys appear in args
+    outputs: list
+    call_kwargs: dict
+    keep: list = dataclasses.field(default_factory=list)
+
+
+class _Keys:
+    """Tensor keys t0, t1, ... and their (batch shape, dtype)."""
+
+    def __init__(self):
+        self.specs = {}
+
+    def new(self, shape, dtype):
+        key = f't{len(self.specs)}'
+        self.specs[key] = (tuple(shape), keras.backend.standardize_dtype(dtype))
+        return key
+
+
+def is_graph(layer):
+    return isinstance(layer, keras.Model) and type(layer).__name__ in ('Functional', 'Sequential')
+
+
+def steps_of(model):
+    """(steps in topological order, input keys, output keys, {key: (shape, dtype)})."""
+    keys = _Keys()
+    inputs = [keys.new(t.shape, t.dtype) for t in model.inputs]
+    steps, outputs = _expand(model, inputs, keys)
+    needed = set(outputs)
+    for step in reversed(steps):
+        step.keep = sorted(needed, key=lambda k: int(k[1:]))
+        needed = (needed - set(step.outputs)) | set(_flat(step.args))
+    return steps, inputs, outputs, keys.specs
+
+
+def _expand(model, input_keys, keys):
+    if type(model).__name__ == 'Sequential':
+        return _expand_sequential(model, input_keys, keys)
+    return _expand_functional(model, input_keys, keys)
+
+
+def _expand_sequential(model, input_keys, keys):
+    (key,) = input_keys
+    steps = []
+    for layer in model.layers:
+        if is_graph(layer):
+            inner, (key,) = _expand(layer, [key], keys)
+            steps += inner
+            continue
+        shape, dtype = keys.specs[key]
+        spec = layer.compute_output_spec(keras.KerasTensor(shape, dtype=dtype))
+        out = keys.new(spec.shape, spec.dtype)
+        steps.append(Step(layer, [key], [dtype], [shape], [out], {}))
+        key = out
+    return steps, [key]
+
+
+def _histories(value):
+    """Flat [keras_history] of the Keras tensors in a serialized argument."""
+    if isinstance(value, dict) and value.get('class_name') == '__keras_tensor__':
+        return [tuple(value['config']['keras_history'])]
+    if isinstance(value, (list, tuple)):
+        return [h for v in value for h in _histories(v)]
+    return []
+
+
+def _triples(refs):
+    return [tuple(refs)] if refs and isinstance(refs[0], str) else [tuple(r) for r in refs]
+
+
+def _expand_functional(model, input_keys, keys):
+    config = model.get_config()
+    layers = {layer.name: layer for layer in model.layers}
+    inputs = {layer['name'] for layer in config['layers'] if layer['class_name'] == 'InputLayer'}
+    local = dict(zip(_triples(config['input_layers']), input_keys))
+    specs = {}  # history -> (shape, dtype), as the consumers' serialized tensors say
+
+    def structure(value, where):
+        if isinstance(value, dict) and value.get('class_name') == '__keras_tensor__':
+            history = tuple(value['config']['keras_history'])
+            specs[history] = (value['config']['shape'], value['config']['dtype'])
+            return history
+        if isinstance(value, (list, tuple)):
+            return [structure(v, where) for v in value]
+        raise ValueError(
+            f'{where} is called with a non-tensor positional argument ({value!r}); GPipe '
+            'carries tensors between layers only. Pass it in the layer config instead.'
+        )
+
+    nodes = []
+    for order, layer_config in enumerate(config['layers']):
+        name = layer_config['name']
+        for index, node in enumerate(layer_config['inbound_nodes']):
+            where = f'Layer {name!r}'
+            if _histories(node.get('kwargs', {})):
+                raise ValueError(
+                    f'{where} takes a tensor as a keyword argument (e.g. mask=...); GPipe cuts '
+                    'functional models whose layers take their tensors positionally.'
+                )
+            args = [structure(a, where) for a in node['args']]
+            deps = {h[:2] for h in _histories(node['args'])}
+            nodes.append(((order, index), (name, index), args, deps, node.get('kwargs', {})))
+    for tensor, history in zip(model.outputs, _triples(config['output_layers'])):
+        specs.setdefault(history, (tuple(tensor.shape), tensor.dtype))
+    # A call's outputs that anything reads (a later call or the model), by tensor index.
+    used = {}
+    for history in specs:
+        used[history[:2]] = max(used.get(history[:2], 0), history[2] + 1)
+    # Topological order (Kahn), ties broken by the config's order.
+    done, ordered, pending = {(n, 0) for n in inputs}, [], sorted(nodes)
+    while pending:
+        ready = [n for n in pending if n[3] <= done]
+        if not ready:
+            raise ValueError(f'The graph of {model.name!r} has a cycle; GPipe needs a DAG.')
+        pending.remove(ready[0])
+        done.add(ready[0][1])
+        ordered.append(ready[0])
+    steps = []
+    for _, (name, index), args, _, kwargs in ordered:
+        layer = layers[name]
+        arg_keys = _map(args, lambda h: local[h])
+        if is_graph(layer):  # inline a model used as a layer: it is cut like the rest
+            inner, outs = _expand(layer, _flat(arg_keys), keys)
+            steps += inner
+            for i, key in enumerate(outs):
+                local[(name, index, i)] = key
+            continue
+        outs = []
+        for i in range(used.get((name, index), 1)):
+            shape, dtype = specs.get((name, index, i), (None, None))
+            if shape is None:  # an output nothing reads: any spec will do
+                shape, dtype = (None,), 'float32'
+            local[(name, index, i)] = keys.new(shape, dtype)
+            outs.append(local[(name, index, i)])
+        flat = _flat(arg_keys)
+        steps.append(
+            Step(
+                layer=layer,
+                args=arg_keys,
+                arg_dtypes=_map(arg_keys, lambda k: keys.specs[k][1]),
+                arg_shapes=[keys.specs[k][0] for k in flat],
+                outputs=outs,
+                call_kwargs={k: v for k, v in kwargs.items() if k != 'training'},
+            )
+        )
+    return steps, [local[h] for h in _triples(config['output_layers'])]
+
+
+def _flat(structure):
+    if isinstance(structure, str):
+        return [structure]
+    return [k for s in structure for k in _flat(s)]
+
+
+def _map(structure, fn):
+    if isinstance(structure, (str, tuple)):
+        return fn(structure)
+    return [_map(s, fn) for s in structure]
