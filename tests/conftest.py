@@ -20,6 +20,8 @@ _SLOW_FIRST = (
     'test_benchmark_runs_on_two_workers',
     'test_train_on_worker_processes_with_cluster_spec_and_tf_config',
     'test_inspect_and_errors',
+    'test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works',
+    'test_a_keras_model_inside_a_sequential_gets_every_gradient',
 )
 
 

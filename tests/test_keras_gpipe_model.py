@@ -423,7 +423,8 @@ def _gradients(model, x, y, m=1):
     return loss, {v.path: g for v, g in zip(model.trainable_variables, grads)}
 
 
-def test_a_keras_model_inside_a_sequential_gets_every_gradient():
+@pytest.mark.parametrize('k', [2, 4])
+def test_a_keras_model_inside_a_sequential_gets_every_gradient(k):
     """The transfer-learning stack: a keras.applications backbone inside a Sequential, cut at
     K=4 (the backbone's own graph is inlined and cut like the rest). Every one of its trainable
     variables gets the plain model's gradient (issue 12: 5 of 158 did)."""
@@ -446,9 +447,9 @@ def test_a_keras_model_inside_a_sequential_gets_every_gradient():
     y = tf.constant([0, 1, 2, 1] * 4)
     plain = stack()
     want_loss, want = tf.function(lambda: _gradients(plain, x, y, m=2))()
-    pipe = GPipe(stack(), num_partitions=4, num_micro_batches=2, recompute='always')
+    pipe = GPipe(stack(), num_partitions=k, num_micro_batches=2, recompute='always')
     assert len(pipe.trainable_variables) == len(plain.trainable_variables) == 158
-    assert pipe.num_partitions == 4 and min(pipe.balance) > 1  # cut inside the backbone
+    assert pipe.num_partitions == k and min(pipe.balance) > 1  # cut inside the backbone
     loss, got = tf.function(lambda: _gradients(pipe, x, y))()
     # 52 batch norms over 8-example micro-batches amplify float noise: the plain model alone
     # differs by 1.6e-5 (relative) between eager and tf.function. So 1e-4 here, not 1e-5.
