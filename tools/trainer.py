@@ -11,6 +11,7 @@ Modes: train | eval | train_and_eval | inspect_params | inspect_model | inspect_
 
 import os
 import re
+import signal
 import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -143,10 +144,15 @@ def main(argv):
 
     joined = None
     try:
+        # Ctrl-C interrupts the wait even when the shell started us with SIGINT ignored (as
+        # it does for background jobs); training then handles SIGINT itself (a graceful stop).
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             mesh_scope, joined = _connect()
         except KeyboardInterrupt:
             sys.exit('trainer: interrupted while waiting for the cluster; nothing was started.')
+        finally:
+            signal.signal(signal.SIGINT, previous)
         t = trainer.Trainer(p, LOGDIR.value)
         if mesh_scope is not None:
             with mesh_scope:
