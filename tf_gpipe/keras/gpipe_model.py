@@ -91,8 +91,17 @@ class GPipeModel(keras.Model):
         )
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
+        input_names = None
         if is_functional:
-            originals, sub, batch_shape, dtype, out_spec = _functional_sub(sequential)
+            originals, sub, in_specs, out_spec = _functional_sub(sequential)
+            batch_shape, dtype = in_specs[0]
+            if len(in_specs) > 1:
+                if partition_by == 'time':
+                    raise ValueError(
+                        "partition_by='time' times layers on one input; this model has "
+                        f"{len(in_specs)}. Use 'flops', 'params' or balance=[...]."
+                    )
+                input_names = [t.name for t in sequential.inputs]
         else:
             originals = _flat_layers(sequential)
             if not originals:
@@ -124,7 +133,11 @@ class GPipeModel(keras.Model):
             num_partitions=num_partitions,
             splits=splits,
             partition_by=partition_by,
-            input_shape=(cost_batch,) + tuple(batch_shape[1:]),
+            input_shape=(
+                (cost_batch,) + tuple(batch_shape[1:])
+                if input_names is None
+                else tuple((cost_batch,) + tuple(shape[1:]) for shape, _ in in_specs)
+            ),
             input_dtype=tf.as_dtype(dtype),
             num_micro_batches=num_micro_batches,
             recompute=recompute,
@@ -170,6 +183,7 @@ class GPipeModel(keras.Model):
             jit_compile=jit_compile,
         )
         self._batch_shape, self._input_dtype = tuple(batch_shape), dtype
+        self._input_names = input_names  # several inputs: their names, in order
         self.supports_jit = False  # One XLA cluster over K devices is not a pipeline.
         self.built = True
 
@@ -204,22 +218,44 @@ class GPipeModel(keras.Model):
 
     # ---- running -----------------------------------------------------------------------------
 
-    def call(self, inputs, training=None):
-        if in_symbolic_scope():  # Keras wants the output spec only: skip tracing the cells.
-            return tf.zeros(
-                tf.concat([tf.shape(inputs)[:1], self._out_spec.shape[1:]], 0),
-                self._out_spec.dtype,
+    def _Inputs(self, inputs):
+        """The model inputs as a tuple (several inputs: a list, a tuple or a dict by name)."""
+        if self._input_names is None:
+            return (inputs,)
+        if isinstance(inputs, dict):
+            return tuple(inputs[name] for name in self._input_names)
+        if not isinstance(inputs, (list, tuple)) or len(inputs) != len(self._input_names):
+            raise ValueError(
+                f'{self.name} takes {len(self._input_names)} inputs '
+                f'({", ".join(self._input_names)}), as a list, tuple or dict.'
             )
+        return tuple(inputs)
+
+    def _Outputs(self, outputs):
+        return list(outputs) if isinstance(self._out_spec, list) else outputs
+
+    def call(self, inputs, training=None):
+        inputs = self._Inputs(inputs)
+        if in_symbolic_scope():  # Keras wants the output spec only: skip tracing the cells.
+            zeros = [
+                tf.zeros(tf.concat([tf.shape(inputs[0])[:1], s.shape[1:]], 0), s.dtype)
+                for s in tf.nest.flatten(self._out_spec)
+            ]
+            return zeros if isinstance(self._out_spec, list) else zeros[0]
         training = bool(training)
         step = 0
         if training and getattr(self, 'optimizer', None) is not None:
             step = tf.convert_to_tensor(self.optimizer.iterations)  # Dropout masks depend on it.
         with fprop_context.scope(training=training, step=step):
-            return self._pipe.FProp(inputs)
+            return self._Outputs(self._pipe.FProp(*inputs))
 
     def compute_output_spec(self, inputs, training=None):
-        shape = (inputs.shape[0],) + tuple(self._out_spec.shape[1:])
-        return keras.KerasTensor(shape, dtype=self._out_spec.dtype)
+        batch = tf.nest.flatten(inputs)[0].shape[0]
+        specs = [
+            keras.KerasTensor((batch,) + tuple(s.shape[1:]), dtype=s.dtype)
+            for s in tf.nest.flatten(self._out_spec)
+        ]
+        return specs if isinstance(self._out_spec, list) else specs[0]
 
     def train_step(self, data):
         if self._options['schedule'] != 'gpipe':
@@ -249,8 +285,9 @@ class GPipeModel(keras.Model):
         step = tf.convert_to_tensor(self.optimizer.iterations)
         with fprop_context.scope(training=True, step=step):
             loss, grads, y_pred = self._pipe.ComputeGradients(
-                x, targets, loss_fn, return_outputs=True
+                self._Inputs(x), targets, lambda out, t: loss_fn(self._Outputs(out), t), True
             )
+        y_pred = self._Outputs(y_pred)
         by_ref = {v.ref(): g for v, g in zip(self._pipe.trainable_variables, grads)}
         variables = self.trainable_variables
         self.optimizer.apply_gradients(
@@ -262,7 +299,7 @@ class GPipeModel(keras.Model):
                 loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
             for metric in self.metrics:  # Keras' loss tracker, by its public name
                 if metric.name == 'loss':
-                    metric.update_state(loss, sample_weight=tf.shape(x)[0])
+                    metric.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
@@ -354,11 +391,6 @@ def _functional_sub(model):
             f'GPipe needs the input shape of {model.name!r}: start it with keras.Input(shape=...).'
         ) from None
     steps, inputs, outputs, specs = functional.steps_of(model)
-    if len(inputs) != 1 or len(outputs) != 1:
-        raise ValueError(
-            f'{model.name!r} has {len(inputs)} inputs and {len(outputs)} outputs; GPipe cuts '
-            'functional models with one input and one output so far.'
-        )
     if not steps:
         raise ValueError(f'The model {model.name!r} has no layers to pipeline.')
     originals = [step.layer for step in steps]
@@ -381,9 +413,14 @@ def _functional_sub(model):
                 autocast=False,
             )
         )
-    shape, dtype = specs[inputs[0]]
-    out_shape, out_dtype = specs[outputs[0]]
-    return originals, sub, shape, dtype, keras.KerasTensor(out_shape, dtype=out_dtype)
+    out_specs = [keras.KerasTensor(specs[k][0], dtype=specs[k][1]) for k in outputs]
+    # Several outputs come back as a list, as from the plain model built with a list.
+    return (
+        originals,
+        sub,
+        [specs[k] for k in inputs],
+        (out_specs if len(out_specs) > 1 else out_specs[0]),
+    )
 
 
 _OPTIONS = (

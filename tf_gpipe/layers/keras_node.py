@@ -59,6 +59,10 @@ class KerasNodeLayer(KerasLayer):
 
     def FProp(self, *inputs):
         p = self.params
+        if p.from_inputs and len(p.from_inputs) != len(inputs):
+            raise ValueError(
+                f'{p.name}: the model takes {len(p.from_inputs)} inputs, got {len(inputs)}.'
+            )
         state = NestedMap(zip(p.from_inputs, inputs)) if p.from_inputs else inputs[0]
         args = _fill(list(p.args), state)
         kwargs = dict(p.call_kwargs)
