@@ -1,4 +1,4 @@
-"""Keras front door: GPipe(keras.Sequential, ...) -> a keras.Model trained with fit()."""
+"""Keras front door: GPipe(Sequential or functional model, ...) -> a keras.Model for fit()."""
 
 from tf_gpipe.keras.gpipe_model import GPipe, GPipeModel
 

@@ -1,4 +1,5 @@
-"""GPipe(keras.Sequential): the model's layers cut into K cells and run by the PipelinedLayer.
+"""GPipe(keras model): a Sequential's layers, or a functional model's calls (keras/functional.py),
+cut into K cells and run by the PipelinedLayer.
 
 The returned `GPipeModel` is a keras.Model: compile/fit/evaluate/predict, callbacks, save and
 load work as for any Keras model. Its call runs the pipeline (the same schedule, recompute and
@@ -42,12 +43,13 @@ def GPipe(sequential, **options):
 
 @keras.saving.register_keras_serializable(package='tf_gpipe')
 class GPipeModel(keras.Model):
-    """A keras.Sequential's layers as a K-cell GPipe pipeline with M micro-batches.
+    """A Keras model as a K-cell GPipe pipeline with M micro-batches.
 
     Args:
-      sequential: a keras.Sequential (nested Sequentials are flattened). Built (it starts with
-        keras.Input or has been called) or given `input_shape`. Its current weights are copied
-        onto the partitions' devices; train the returned model.
+      sequential: a keras.Sequential (nested Sequentials are flattened; one built with
+        keras.Input, or given `input_shape`) or a functional keras.Model (any graph of calls;
+        several inputs and outputs; models used as layers are inlined). Its current weights are
+        copied onto the partitions' devices; train the returned model.
       num_partitions: K, balanced automatically by `partition_by`. None (and no `balance`): one
         partition per device of `devices` or of the current device mesh.
       balance: explicit layers per partition, e.g. [3, 3, 2, 2] (overrides num_partitions).
