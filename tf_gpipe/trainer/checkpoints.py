@@ -105,14 +105,12 @@ def optimizer_slots(optimizer, variables):
     return slots, others
 
 
-def _named_slots(optimizer, named, trainable):
-    """{'task/<path>/<slot>': slot} for replica-0 variables `named`, and the optimizer's other
+def _named_slots(slots_by_key, others, named):
+    """{'task/<path>/<slot>': slot} for the variables `named`, and the optimizer's other
     variables by name ('iterations', ...)."""
-    slots, others = optimizer_slots(optimizer, trainable)
-    by_ref = {_key(v): s for v, s in zip(trainable, slots)}
     out = {}
     for path, var in named.items():
-        for slot, ov in by_ref.get(_key(var), {}).items():
+        for slot, ov in slots_by_key.get(_key(var), {}).items():
             out[f'{path}/{slot}'] = ov
     for ov in others:
         name = ov.name.split('/')[-1].split(':')[0]
@@ -129,16 +127,18 @@ class NamedCheckpoint:
             {f'task/{k}': v for k, v in task.NamedVariables(r).items()}
             for r in range(1, num_replicas)
         ]
-        self.slots = _named_slots(optimizer, self.named, trainable)
+        slots, others = optimizer_slots(optimizer, trainable)
+        slots_by_key = {_key(v): s for v, s in zip(trainable, slots)}
+        self.slots = _named_slots(slots_by_key, others, self.named)
         # Replica r's variables and slots, to set equal to replica 0's after a restore.
         self._pairs = []
         for copy in copies:
             if sorted(copy) != sorted(self.named):
                 raise RuntimeError('Replica copies do not have replica 0 names.')
             self._pairs += [(self.named[k], copy[k]) for k in self.named]
-            copy_slots = _named_slots(optimizer, copy, trainable)
+            copy_slots = _named_slots(slots_by_key, others, copy)
             self._pairs += [(self.slots[k], copy_slots[k]) for k in self.slots if k in copy_slots]
-        _check_complete(task, optimizer, self.named, copies, self.slots, self._pairs)
+        _check_complete(task, optimizer, self.named, self.slots, self._pairs)
         self.optimizer_name = optimizer_name
         self._name_var = tf.Variable(optimizer_name, trainable=False, name='optimizer_name')
         self.checkpoint = tf.train.Checkpoint(
@@ -205,18 +205,12 @@ class NamedCheckpoint:
             dst.assign(src)
 
 
-def _check_complete(task, optimizer, named, copies, slots, pairs):
-    """Every variable of the task and optimizer is written or is a replica copy of one."""
-    covered = {_key(v) for v in named.values()} | {_key(v) for v in slots.values()}
+def _check_complete(task, optimizer, named, slots, pairs):
+    """Every variable of the task and optimizer is written or is a replica copy of one (every
+    copy is the second of a pair)."""
+    covered = {_key(v) for v in [*named.values(), *slots.values()]}
     covered |= {_key(dst) for _, dst in pairs}
-    for copy in copies:
-        covered |= {_key(v) for v in copy.values()}
-    missing = [v.name for v in list(task.variables) + list(optimizer.variables)]
-    missing = [
-        name
-        for v, name in zip(list(task.variables) + list(optimizer.variables), missing)
-        if _key(v) not in covered
-    ]
+    missing = [v.name for v in [*task.variables, *optimizer.variables] if _key(v) not in covered]
     if missing:
         raise RuntimeError(
             f'{len(missing)} variables would be left out of the checkpoint (e.g. {missing[:3]}); '
