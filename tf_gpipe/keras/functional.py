@@ -12,6 +12,8 @@ import dataclasses
 
 import keras
 
+from tf_gpipe.layers.keras_node import flat_leaves, map_leaves
+
 
 @dataclasses.dataclass
 class Step:
@@ -48,7 +50,7 @@ def steps_of(model):
     needed = set(outputs)
     for step in reversed(steps):
         step.keep = sorted(needed, key=lambda k: int(k[1:]))
-        needed = (needed - set(step.outputs)) | set(_flat(step.args))
+        needed = (needed - set(step.outputs)) | set(flat_leaves(step.args))
     return steps, inputs, outputs, keys.specs
 
 
@@ -137,9 +139,9 @@ def _expand_functional(model, input_keys, keys):
     steps = []
     for _, (name, index), args, _, kwargs in ordered:
         layer = layers[name]
-        arg_keys = _map(args, lambda h: local[h])
+        arg_keys = map_leaves(args, lambda h: local[h])
         if is_graph(layer):  # inline a model used as a layer: it is cut like the rest
-            inner, outs = _expand(layer, _flat(arg_keys), keys)
+            inner, outs = _expand(layer, flat_leaves(arg_keys), keys)
             steps += inner
             for i, key in enumerate(outs):
                 local[(name, index, i)] = key
@@ -151,27 +153,15 @@ def _expand_functional(model, input_keys, keys):
                 shape, dtype = (None,), 'float32'
             local[(name, index, i)] = keys.new(shape, dtype)
             outs.append(local[(name, index, i)])
-        flat = _flat(arg_keys)
+        flat = flat_leaves(arg_keys)
         steps.append(
             Step(
                 layer=layer,
                 args=arg_keys,
-                arg_dtypes=_map(arg_keys, lambda k: keys.specs[k][1]),
+                arg_dtypes=map_leaves(arg_keys, lambda k: keys.specs[k][1]),
                 arg_shapes=[keys.specs[k][0] for k in flat],
                 outputs=outs,
                 call_kwargs={k: v for k, v in kwargs.items() if k != 'training'},
             )
         )
     return steps, [local[h] for h in _triples(config['output_layers'])]
-
-
-def _flat(structure):
-    if isinstance(structure, str):
-        return [structure]
-    return [k for s in structure for k in _flat(s)]
-
-
-def _map(structure, fn):
-    if isinstance(structure, (str, tuple)):
-        return fn(structure)
-    return [_map(s, fn) for s in structure]

@@ -20,6 +20,7 @@ from tf_gpipe import fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
 from tf_gpipe.keras import functional
+from tf_gpipe.layers import keras_state
 from tf_gpipe.layers.keras_layer import KerasLayer
 from tf_gpipe.layers.keras_node import KerasNodeLayer
 
@@ -477,7 +478,7 @@ def _flat_layers(sequential):
 def _check_supported(layers):
     """Refuses what a chain of cells cannot carry: Keras masks and activity losses."""
     for layer in layers:
-        for sub in layer._flatten_layers(include_self=True, recursive=True):
+        for sub in keras_state.sublayers(layer):
             if getattr(sub, 'activity_regularizer', None) is not None:
                 raise ValueError(
                     f'Layer {sub.name!r} has an activity_regularizer, whose loss would be made '

@@ -16,11 +16,18 @@ from tf_gpipe.layers.keras_layer import KerasLayer, _python_random_seeded, _reso
 from tf_gpipe.nested_map import NestedMap
 
 
-def _fill(structure, values):
-    """`structure` (nested lists of tensor keys) with each key replaced by values[key]."""
-    if isinstance(structure, str):
-        return values[structure]
-    return [_fill(s, values) for s in structure]
+def map_leaves(structure, fn):
+    """`structure` (nested lists) with fn applied to every leaf (anything but a list)."""
+    if isinstance(structure, list):
+        return [map_leaves(s, fn) for s in structure]
+    return fn(structure)
+
+
+def flat_leaves(structure):
+    """The leaves of `structure`, in the order map_leaves visits them."""
+    if isinstance(structure, list):
+        return [leaf for s in structure for leaf in flat_leaves(s)]
+    return [structure]
 
 
 class KerasNodeLayer(KerasLayer):
@@ -45,12 +52,15 @@ class KerasNodeLayer(KerasLayer):
     def _Build(self, shape, dtype=None):
         del shape, dtype  # a node builds from its args' shapes
         p = self.params
-        shapes = _shape_structure(p.args, p.input_shape)
+        # input_shape holds one shape per key of args, in order: nest them like args.
+        flat_shapes = iter(p.input_shape)
+        shapes = map_leaves(list(p.args), lambda _: tuple(next(flat_shapes)))
         if len(p.args) == 1 and not isinstance(shapes[0], list):
             return super()._Build(shapes[0], p.arg_dtypes[0])
         # Several arguments (attention's query and value) or a list (Add, Concatenate): run it
         # once on one zero example of every argument.
-        zeros = [_zeros_like(s, d) for s, d in zip(shapes, p.arg_dtypes)]
+        dtypes = iter(flat_leaves(list(p.arg_dtypes)))
+        zeros = map_leaves(shapes, lambda s: tf.zeros((1,) + s[1:], tf.as_dtype(next(dtypes))))
         with _python_random_seeded(self._seed_for_build), tf.init_scope():
             self._layer(*zeros, **dict(p.call_kwargs))
         self._RegisterVariables()
@@ -64,7 +74,7 @@ class KerasNodeLayer(KerasLayer):
                 f'{p.name}: the model takes {len(p.from_inputs)} inputs, got {len(inputs)}.'
             )
         state = NestedMap(zip(p.from_inputs, inputs)) if p.from_inputs else inputs[0]
-        args = _fill(list(p.args), state)
+        args = map_leaves(list(p.args), state.__getitem__)
         kwargs = dict(p.call_kwargs)
         if self._takes_training:
             kwargs['training'] = fprop_context.current().training
@@ -80,14 +90,12 @@ class KerasNodeLayer(KerasLayer):
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
         shapes = NestedMap(zip(p.from_inputs, input_shapes)) if p.from_inputs else input_shapes[0]
-        dtypes = _dtype_map(p.args, p.arg_dtypes)
-        specs = _fill(
+        dtypes = dict(zip(flat_leaves(list(p.args)), flat_leaves(list(p.arg_dtypes))))
+        specs = map_leaves(
             list(p.args),
-            {
-                k: keras.KerasTensor(tuple(base_layer.to_shape(s).as_list()), dtype=dtypes.get(k))
-                for k, s in shapes.items()
-                if k in dtypes
-            },
+            lambda k: keras.KerasTensor(
+                tuple(base_layer.to_shape(shapes[k]).as_list()), dtype=dtypes[k]
+            ),
         )
         with keras.StatelessScope():  # builds without allocating the weights
             layer = _resolve(p.keras_layer, p.name).from_config(dict(p.config))
@@ -106,36 +114,3 @@ class KerasNodeLayer(KerasLayer):
         else:
             out_shapes = NestedMap({k: produced[k] if k in produced else shapes[k] for k in p.keep})
         return base_layer.Meta(2 * params * positions + out_elems, out_shapes, params, act_bytes)
-
-
-def _shape_structure(args, input_shape):
-    """input_shape is stored flat in the order of the keys in args; nest it like args."""
-    flat = list(input_shape)
-
-    def take(s):
-        if isinstance(s, str):
-            return tuple(flat.pop(0))
-        return [take(x) for x in s]
-
-    return [take(a) for a in args]
-
-
-def _dtype_map(args, dtypes):
-    out = {}
-
-    def walk(a, d):
-        if isinstance(a, str):
-            out[a] = d
-        else:
-            for x, y in zip(a, d):
-                walk(x, y)
-
-    for a, d in zip(args, dtypes):
-        walk(a, d)
-    return out
-
-
-def _zeros_like(shape, dtype):
-    if isinstance(shape, list):
-        return [_zeros_like(s, d) for s, d in zip(shape, dtype)]
-    return tf.zeros((1,) + tuple(shape[1:]), tf.as_dtype(dtype))
