@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -25,6 +27,7 @@ def _peak_memory(*args):
     return json.loads(out.stdout.strip().splitlines()[-1])['rows']
 
 
+@pytest.mark.idle
 def test_recompute_cuts_peak_memory_to_well_under_half():
     rows = _peak_memory('--layers=24', '--width=128', '--batch_size=4096', '--num_micro_batches=8')
     rows = {r['recompute']: r for r in rows}
@@ -37,6 +40,7 @@ def test_recompute_cuts_peak_memory_to_well_under_half():
     assert rows['except_last']['ratio_to_plain'] < 0.4, rows
 
 
+@pytest.mark.idle
 def test_each_schedules_peak_follows_its_high_water_mark():
     """Kept activations: 1F1B stores one micro-batch at K=1 where fill-drain stores M, and the
     measured peaks of every schedule follow the validator's high-water marks (plus the B-to-W
