@@ -18,8 +18,9 @@ demo: $(STAMP)
 	$(PY) tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
 	  --num_logical_cpus=4 --mode=train_and_eval
 
-# Lint, then the suite on 2 workers, then the memory measurements (marked `idle`) alone: a
-# peak measured while the other worker loads the machine moves by a micro-batch's activations.
+# Lint, then the suite on 2 workers, then the measurements (marked `idle`) alone: under the
+# other worker's load a memory peak moves by a micro-batch's activations and a trace stamp by
+# several milliseconds.
 # TF's C++ start-up lines (printed before it reads TF_CPP_MIN_LOG_LEVEL, flushed at exit) are
 # filtered from stderr so that pytest's summary stays the last line; any other stderr is
 # shown. pytest's exit 5 (no tests collected) is a failure.

@@ -1,5 +1,6 @@
 """gpipe.trace: a timestamp pair per pipeline action, in an order the schedule allows."""
 
+import pytest
 import tensorflow as tf
 
 from tf_gpipe import gpipe, layers
@@ -28,6 +29,7 @@ def _pipe(width=8):
     )
 
 
+@pytest.mark.idle
 def test_events_follow_the_data_dependencies():
     # Actions of a few milliseconds each (512-wide layers), so that the order the data imposes
     # is wider than the executor's latency in running a ready stamp on a busy machine.
