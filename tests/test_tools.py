@@ -58,6 +58,7 @@ def test_a_trial_fits_or_runs_out_of_memory():
     assert not oom['ok'] and oom['error'].startswith('OOM')
 
 
+@pytest.mark.idle
 def test_timeline_draws_a_real_step(tmp_path):
     png = str(tmp_path / 'step.png')
     out = _run(
