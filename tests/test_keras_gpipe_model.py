@@ -397,9 +397,6 @@ def test_bad_input_errors():
         GPipe(keras.Sequential([keras.layers.Dense(3)]))
     with pytest.raises(ValueError, match='recompute must be one of'):
         GPipe(_mlp(), recompute='sometimes')
-    masked = keras.Sequential([keras.Input((5,)), keras.layers.Embedding(10, 4, mask_zero=True)])
-    with pytest.raises(ValueError, match='mask'):
-        GPipe(masked)
     active = keras.Sequential(
         [keras.Input((5,)), keras.layers.Dense(4, activity_regularizer=keras.regularizers.L2())]
     )
@@ -407,6 +404,27 @@ def test_bad_input_errors():
         GPipe(active)
     with pytest.raises(ValueError, match=r'GPipe\(..., jit_compile=True\)'):
         GPipe(_mlp(), num_partitions=2).compile(optimizer='sgd', loss='mse', jit_compile=True)
+
+
+def test_a_sequential_with_a_mask_carries_it_across_cells():
+    """Embedding(mask_zero=True) in a Sequential: the mask reaches the pooling two cells later."""
+
+    def model(mask_zero=True):
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([
+            keras.Input((6,), dtype='int32'),
+            keras.layers.Embedding(10, 4, mask_zero=mask_zero),
+            keras.layers.Dense(4, activation='tanh'),
+            keras.layers.GlobalAveragePooling1D(),
+            keras.layers.Dense(2),
+        ])  # fmt: skip
+
+    ids = np.random.RandomState(0).randint(0, 10, (8, 6)).astype('int32')
+    ids[:, 4:] = 0
+    want = model().predict(ids, verbose=0)
+    assert np.abs(model(mask_zero=False).predict(ids, verbose=0) - want).max() > 1e-4
+    pipe = GPipe(model(), num_partitions=3, num_micro_batches=2)
+    np.testing.assert_allclose(pipe.predict(ids, verbose=0), want, rtol=1e-5, atol=1e-6)
 
 
 def _gradients(model, x, y, m=1):

@@ -3,6 +3,9 @@
 A functional model is read from its own config (the graph Keras saves: each call's argument
 tensors by (layer, call, output) history) and ordered topologically; a model used as a layer
 (a keras.applications backbone, a nested Sequential) is inlined, so it is cut like the rest.
+Calls of Keras ops (`x + y`, `keras.ops.relu(x)`, the mask arithmetic Keras records) are steps
+too; non-tensor arguments (`2.0` in `x * 2.0`) are kept as constants, and tensors passed by
+keyword (`mask=`, `attention_mask=`) travel like positional ones.
 For every step this gives the tensor keys it reads, the keys of its outputs and the keys to
 keep after it: a tensor is kept from the step that makes it to the last step that reads it, so
 skip connections cross the cells between without anyone declaring them.
@@ -11,18 +14,19 @@ skip connections cross the cells between without anyone declaring them.
 import dataclasses
 
 import keras
+import numpy as np
 
-from tf_gpipe.layers.keras_node import flat_leaves, map_leaves
+from tf_gpipe.layers.keras_node import Const, map_leaves, tensor_keys
 
 
 @dataclasses.dataclass
 class Step:
-    layer: keras.layers.Layer
-    args: list  # nested lists of tensor keys
-    arg_dtypes: list
-    arg_shapes: list  # one batch shape per key, in the order the keys appear in args
+    layer: object  # a keras.layers.Layer or a keras.Operation
+    args: list  # nested lists of tensor keys and Consts
+    call_kwargs: dict  # name: nested lists of tensor keys and Consts
+    arg_dtypes: dict  # key: dtype, for every tensor key of args and call_kwargs
+    arg_shapes: list  # one batch shape per key, in the order of tensor_keys(args, call_kwargs)
     outputs: list
-    call_kwargs: dict
     keep: list = dataclasses.field(default_factory=list)
 
 
@@ -50,7 +54,7 @@ def steps_of(model):
     needed = set(outputs)
     for step in reversed(steps):
         step.keep = sorted(needed, key=lambda k: int(k[1:]))
-        needed = (needed - set(step.outputs)) | set(flat_leaves(step.args))
+        needed = (needed - set(step.outputs)) | set(tensor_keys(step.args, step.call_kwargs))
     return steps, inputs, outputs, keys.specs
 
 
@@ -71,7 +75,7 @@ def _expand_sequential(model, input_keys, keys):
         shape, dtype = keys.specs[key]
         spec = layer.compute_output_spec(keras.KerasTensor(shape, dtype=dtype))
         out = keys.new(spec.shape, spec.dtype)
-        steps.append(Step(layer, [key], [dtype], [shape], [out], {}))
+        steps.append(Step(layer, [key], {}, {key: dtype}, [shape], [out]))
         key = out
     return steps, [key]
 
@@ -82,6 +86,8 @@ def _histories(value):
         return [tuple(value['config']['keras_history'])]
     if isinstance(value, (list, tuple)):
         return [h for v in value for h in _histories(v)]
+    if isinstance(value, dict):
+        return [h for v in value.values() for h in _histories(v)]
     return []
 
 
@@ -91,36 +97,37 @@ def _triples(refs):
 
 def _expand_functional(model, input_keys, keys):
     config = model.get_config()
-    layers = {layer.name: layer for layer in model.layers}
+    layers = {op.name: op for op in model.operations}  # layers and Keras ops
     inputs = {layer['name'] for layer in config['layers'] if layer['class_name'] == 'InputLayer'}
     local = dict(zip(_triples(config['input_layers']), input_keys))
     specs = {}  # history -> (shape, dtype), as the consumers' serialized tensors say
 
-    def structure(value, where):
+    def structure(value):
+        """Tensors as their histories, lists walked, anything else a constant."""
         if isinstance(value, dict) and value.get('class_name') == '__keras_tensor__':
             history = tuple(value['config']['keras_history'])
             specs[history] = (value['config']['shape'], value['config']['dtype'])
             return history
         if isinstance(value, (list, tuple)):
-            return [structure(v, where) for v in value]
-        raise ValueError(
-            f'{where} is called with a non-tensor positional argument ({value!r}); GPipe '
-            'carries tensors between layers only. Pass it in the layer config instead.'
-        )
+            return [structure(v) for v in value]
+        if _histories(value):
+            raise ValueError(
+                f'A call in {model.name!r} passes tensors inside a dict ({list(value)}); GPipe '
+                'carries tensors passed positionally, by keyword, or in lists.'
+            )
+        if isinstance(value, dict) and value.get('class_name') in ('__tensor__', '__numpy__'):
+            value = np.asarray(keras.saving.deserialize_keras_object(value))  # a constant
+        return Const(value)
 
     nodes = []
     for order, layer_config in enumerate(config['layers']):
         name = layer_config['name']
         for index, node in enumerate(layer_config['inbound_nodes']):
-            where = f'Layer {name!r}'
-            if _histories(node.get('kwargs', {})):
-                raise ValueError(
-                    f'{where} takes a tensor as a keyword argument (e.g. mask=...); GPipe cuts '
-                    'functional models whose layers take their tensors positionally.'
-                )
-            args = [structure(a, where) for a in node['args']]
-            deps = {h[:2] for h in _histories(node['args'])}
-            nodes.append(((order, index), (name, index), args, deps, node.get('kwargs', {})))
+            raw_kwargs = {k: v for k, v in node.get('kwargs', {}).items() if k != 'training'}
+            args = [structure(a) for a in node['args']]
+            kwargs = {k: structure(v) for k, v in raw_kwargs.items()}
+            deps = {h[:2] for h in _histories([node['args'], list(raw_kwargs.values())])}
+            nodes.append(((order, index), (name, index), args, deps, kwargs))
     for tensor, history in zip(model.outputs, _triples(config['output_layers'])):
         specs.setdefault(history, (tuple(tensor.shape), tensor.dtype))
     # A call's outputs that anything reads (a later call or the model), by tensor index.
@@ -128,7 +135,7 @@ def _expand_functional(model, input_keys, keys):
     for history in specs:
         used[history[:2]] = max(used.get(history[:2], 0), history[2] + 1)
     # Topological order (Kahn), ties broken by the config's order.
-    done, ordered, pending = {(n, 0) for n in inputs}, [], sorted(nodes)
+    done, ordered, pending = {(n, 0) for n in inputs}, [], sorted(nodes, key=lambda n: n[0])
     while pending:
         ready = [n for n in pending if n[3] <= done]
         if not ready:
@@ -136,12 +143,29 @@ def _expand_functional(model, input_keys, keys):
         pending.remove(ready[0])
         done.add(ready[0][1])
         ordered.append(ready[0])
+    # Then in the order Keras runs the graph: by depth (the longest path to an output), deepest
+    # first. It matters where a layer takes the mask off a tensor that others read later.
+    depth = {}
+    for node in reversed(ordered):
+        readers = [depth[n[1]] + 1 for n in ordered if node[1] in n[3] and n[1] in depth]
+        depth[node[1]] = max(readers, default=0)
+    ordered.sort(key=lambda n: -depth[n[1]])  # stable: ties stay in the config's order
     steps = []
     for _, (name, index), args, _, kwargs in ordered:
         layer = layers[name]
-        arg_keys = map_leaves(args, lambda h: local[h])
+
+        def to_keys(structure):
+            return map_leaves(structure, lambda h: h if isinstance(h, Const) else local[h])
+
+        arg_keys = to_keys(args)
+        kwarg_keys = {k: to_keys(v) for k, v in kwargs.items()}
         if is_graph(layer):  # inline a model used as a layer: it is cut like the rest
-            inner, outs = _expand(layer, flat_leaves(arg_keys), keys)
+            if tensor_keys([], kwarg_keys):
+                raise ValueError(
+                    f'The model {name!r} is called with a tensor keyword argument; GPipe '
+                    'inlines nested models called with positional tensors only.'
+                )
+            inner, outs = _expand(layer, tensor_keys(arg_keys), keys)
             steps += inner
             for i, key in enumerate(outs):
                 local[(name, index, i)] = key
@@ -153,15 +177,15 @@ def _expand_functional(model, input_keys, keys):
                 shape, dtype = (None,), 'float32'
             local[(name, index, i)] = keys.new(shape, dtype)
             outs.append(local[(name, index, i)])
-        flat = flat_leaves(arg_keys)
+        flat = tensor_keys(arg_keys, kwarg_keys)
         steps.append(
             Step(
                 layer=layer,
                 args=arg_keys,
-                arg_dtypes=map_leaves(arg_keys, lambda k: keys.specs[k][1]),
+                call_kwargs=kwarg_keys,
+                arg_dtypes={k: keys.specs[k][1] for k in flat},
                 arg_shapes=[keys.specs[k][0] for k in flat],
                 outputs=outs,
-                call_kwargs={k: v for k, v in kwargs.items() if k != 'training'},
             )
         )
     return steps, [local[h] for h in _triples(config['output_layers'])]

@@ -20,9 +20,10 @@ from tf_gpipe import fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
 from tf_gpipe.keras import functional
-from tf_gpipe.layers import keras_state
+from tf_gpipe.layers import keras_masks, keras_state
 from tf_gpipe.layers.keras_layer import KerasLayer
 from tf_gpipe.layers.keras_node import KerasNodeLayer
+from tf_gpipe.nested_map import NestedMap
 
 try:  # True while Keras traces a model on placeholders only to learn its output spec.
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
@@ -87,10 +88,11 @@ class GPipeModel(keras.Model):
     ):
         _check_options(kwargs)
         _check_no_strategy()
-        # A functional model, or a Sequential holding one (a keras.applications backbone), is
-        # cut as a graph of calls; a plain Sequential as a chain of layers.
+        # A functional model, or a Sequential holding one (a keras.applications backbone) or
+        # making Keras masks, is cut as a graph of calls (whose steps carry masks); a plain
+        # Sequential as a chain of layers.
         is_functional = _check_model(sequential) or any(
-            functional.is_graph(layer) for layer in _flat_layers(sequential)
+            functional.is_graph(layer) or _makes_mask(layer) for layer in _flat_layers(sequential)
         )
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
@@ -172,7 +174,7 @@ class GPipeModel(keras.Model):
                 clones[i] = wrapper.keras_layer
                 continue
             first_use[id(original)] = i
-            if original.built and original.weights:
+            if getattr(original, 'built', False) and original.weights:
                 clones[i].set_weights(original.get_weights())
         self.partition_layers = clones
         self._out_spec = out_spec
@@ -235,7 +237,28 @@ class GPipeModel(keras.Model):
         return tuple(inputs)
 
     def _Outputs(self, outputs):
-        return list(outputs) if isinstance(self._out_spec, list) else outputs
+        """The pipeline's outputs as the plain model returns them: a list for several, and an
+        output that carries a Keras mask (NestedMap(value=, mask=)) with its mask attached."""
+
+        def one(out):
+            if isinstance(out, NestedMap):
+                return keras_masks.attach(out.value, out.mask)
+            return out
+
+        if isinstance(self._out_spec, list):
+            return [one(out) for out in outputs]
+        return one(outputs)
+
+    def _Unmasked(self, outputs):
+        """Outputs for a per-micro-batch loss, which cannot honour a mask exactly."""
+        if _carries_mask(outputs):
+            raise ValueError(
+                f'{self.name}: an output carries a Keras mask, and Keras averages a masked loss '
+                'over the unmasked entries of the whole batch; schedule='
+                f'{self._options["schedule"]!r} computes the loss per micro-batch, which cannot '
+                "match that. Use schedule='gpipe' (the loss on the merged output)."
+            )
+        return self._Outputs(outputs)
 
     def call(self, inputs, training=None):
         inputs = self._Inputs(inputs)
@@ -288,7 +311,7 @@ class GPipeModel(keras.Model):
         step = tf.convert_to_tensor(self.optimizer.iterations)
         with fprop_context.scope(training=True, step=step):
             loss, grads, y_pred = self._pipe.ComputeGradients(
-                self._Inputs(x), targets, lambda out, t: loss_fn(self._Outputs(out), t), True
+                self._Inputs(x), targets, lambda out, t: loss_fn(self._Unmasked(out), t), True
             )
         y_pred = self._Outputs(y_pred)
         by_ref = {v.ref(): g for v, g in zip(self._pipe.trainable_variables, grads)}
@@ -367,6 +390,11 @@ def _backing(variable):
     return (
         getattr(variable, 'value', variable) if not isinstance(variable, tf.Variable) else variable
     )
+
+
+def _carries_mask(outputs):
+    outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    return any(isinstance(out, NestedMap) for out in outs)
 
 
 def _check_model(model):
@@ -475,9 +503,17 @@ def _flat_layers(sequential):
     return out
 
 
+def _makes_mask(layer):
+    return isinstance(layer, keras.layers.Masking) or (
+        isinstance(layer, keras.layers.Embedding) and layer.mask_zero
+    )
+
+
 def _check_supported(layers):
-    """Refuses what a chain of cells cannot carry: Keras masks and activity losses."""
+    """Refuses what a chain of cells cannot carry: activity losses."""
     for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            continue  # a Keras op (x + y): no weights, no losses
         for sub in keras_state.sublayers(layer):
             if getattr(sub, 'activity_regularizer', None) is not None:
                 raise ValueError(
@@ -485,15 +521,6 @@ def _check_supported(layers):
                     'inside a cell and cannot reach fit(). Use a weight regularizer '
                     '(kernel_regularizer=...) or add the penalty to the compiled loss.'
                 )
-        masking = isinstance(layer, keras.layers.Masking) or (
-            isinstance(layer, keras.layers.Embedding) and layer.mask_zero
-        )
-        if masking:
-            raise ValueError(
-                f'Layer {layer.name!r} produces a Keras mask, which is not carried from one '
-                'cell to the next. Drop the mask (Embedding(mask_zero=False), no Masking layer) '
-                'and pass padding explicitly, e.g. as sample weights.'
-            )
 
 
 def _batch_shape(sequential, input_shape, input_dtype):

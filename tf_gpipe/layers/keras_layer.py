@@ -11,8 +11,10 @@ from tf_gpipe import base_layer, fprop_context
 from tf_gpipe.layers import keras_state
 
 
-def _resolve(keras_layer, name):
-    if isinstance(keras_layer, type) and issubclass(keras_layer, keras.layers.Layer):
+def _resolve(keras_layer, name, operations=False):
+    """The Keras layer class (or, with `operations`, also a keras.Operation class: `x + y`)."""
+    base = keras.Operation if operations else keras.layers.Layer
+    if isinstance(keras_layer, type) and issubclass(keras_layer, base):
         return keras_layer
     if isinstance(keras_layer, str) and isinstance(getattr(keras.layers, keras_layer, None), type):
         return getattr(keras.layers, keras_layer)
@@ -45,6 +47,8 @@ class KerasLayer(base_layer.BaseLayer):
     statistics of everything seen in the step (see keras_state).
     """
 
+    _ACCEPTS_OPERATIONS = False
+
     @classmethod
     def Params(cls):
         p = super().Params()
@@ -62,7 +66,7 @@ class KerasLayer(base_layer.BaseLayer):
     def __init__(self, params):
         super().__init__(params)
         p = self.params
-        cls = _resolve(p.keras_layer, p.name)
+        cls = _resolve(p.keras_layer, p.name, self._ACCEPTS_OPERATIONS)
         seed = base_layer.variable_seed(self._base_seed, self.seed_name)[0]
         self._seed_for_build = seed
         with _python_random_seeded(seed):
