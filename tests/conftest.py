@@ -22,7 +22,9 @@ _SLOW_FIRST = (
     'test_inspect_and_errors',
     'test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works',
     'test_a_keras_model_inside_a_sequential_gets_every_gradient',
-    'test_resnet50_unchanged_at_k4_steps_like_plain_keras',
+    'test_keras_applications_unchanged_at_k4_step_like_plain_keras',
+    'test_keras_applications_batch_norms_see_micro_batches',
+    'test_efficientnet_b0_with_dropout_and_stochastic_depth',
 )
 
 

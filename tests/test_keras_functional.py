@@ -285,21 +285,31 @@ def test_refusals():
     del x
 
 
-def test_resnet50_unchanged_at_k4_steps_like_plain_keras():
-    """keras.applications.ResNet50 built unchanged, K=4, M=1: one SGD step changes every weight
-    as the plain model's does, within the plain model's own float noise (its eager and
+def _application(name, size, seed=1):
+    keras.utils.set_random_seed(seed)
+    options = dict(weights=None, input_shape=(size, size, 3), classes=10)
+    if name == 'MobileNetV2':
+        options['alpha'] = 0.35
+    return getattr(keras.applications, name)(**options)
+
+
+def _relative_worst(got, want):
+    scale = max(float(np.abs(w).max()) for w in want)
+    return max(float(np.abs(g - w).max()) for g, w in zip(got, want)) / scale
+
+
+@pytest.mark.parametrize('name, size', [('ResNet50', 64), ('MobileNetV2', 32)])
+def test_keras_applications_unchanged_at_k4_step_like_plain_keras(name, size):
+    """keras.applications models built unchanged, K=4, M=1: one SGD step changes every weight
+    as the plain model's does, within the plain model's own float noise (ResNet50's eager and
     tf.function gradients differ by ~0.4% here: 53 batch norms over 16 examples)."""
-
-    def model():
-        keras.utils.set_random_seed(1)
-        return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
-
-    x = tf.random.stateless_normal([16, 64, 64, 3], [1, 2])
+    x = tf.random.stateless_normal([16, size, size, 3], [1, 2])
     y = np.arange(16) % 10
-    plain = model()
-    pipe = GPipe(model(), num_partitions=4, num_micro_batches=1, recompute='always')
-    assert min(pipe.balance) > 30 and len(pipe.trainable_variables) == 214
-
+    plain = _application(name, size)
+    pipe = GPipe(_application(name, size), num_partitions=4, num_micro_batches=1,
+                 recompute='always')  # fmt: skip
+    assert min(pipe.balance) > 10
+    assert len(pipe.trainable_variables) == len(plain.trainable_variables)
     loss = keras.losses.SparseCategoricalCrossentropy()
 
     def grads():
@@ -307,17 +317,119 @@ def test_resnet50_unchanged_at_k4_steps_like_plain_keras():
             value = loss(y, plain(x, training=True))
         return tape.gradient(value, plain.trainable_variables)
 
-    eager, traced = grads(), tf.function(grads)()
-    floor = max(float(np.abs(a - b).max()) for a, b in zip(eager, traced)) / max(
-        float(np.abs(a).max()) for a in eager
-    )
+    floor = _relative_worst(grads(), tf.function(grads)())
     before = [v.numpy() for v in plain.trainable_variables]
     for m in (plain, pipe):
         m.compile(keras.optimizers.SGD(0.01), 'sparse_categorical_crossentropy')
         m.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     want = [v.numpy() - b for v, b in zip(plain.trainable_variables, before)]
     got = [v.numpy() - b for v, b in zip(pipe.trainable_variables, before)]
-    scale = max(float(np.abs(w).max()) for w in want)
-    worst = max(float(np.abs(g - w).max()) for g, w in zip(got, want)) / scale
+    worst = _relative_worst(got, want)
     assert worst <= max(3 * floor, 1e-4), (worst, floor)
     assert all(np.any(g != 0) for g, w in zip(got, want) if np.any(w != 0))
+
+
+@pytest.mark.parametrize('name', ['ResNet50', 'MobileNetV2'])
+def test_keras_applications_batch_norms_see_micro_batches(name):
+    """M=4: every batch norm normalises each micro-batch with its own statistics, as in the
+    paper; the gradients equal those of the plain model applied micro-batch by micro-batch."""
+    x = tf.random.stateless_normal([16, 32, 32, 3], [3, 4])
+    y = np.arange(16) % 10
+    loss = keras.losses.SparseCategoricalCrossentropy()
+    plain = _application(name, 32)
+    pipe = GPipe(_application(name, 32), num_partitions=4, num_micro_batches=4)
+
+    def grads(model, pieces):
+        with tf.GradientTape() as tape:
+            out = tf.concat([model(p, training=True) for p in tf.split(x, pieces)], 0)
+            value = loss(y, out)
+        return value, tape.gradient(value, model.trainable_variables)
+
+    eager_loss, eager = grads(plain, 4)
+    want_loss, want = tf.function(lambda: grads(plain, 4))()
+    floor = _relative_worst(eager, want)
+    whole_loss, _ = tf.function(lambda: grads(plain, 1))()  # the whole batch's statistics
+    got_loss, got = tf.function(lambda: grads(pipe, 1))()
+    loss_floor = abs(float(eager_loss) - float(want_loss))
+    assert abs(float(got_loss) - float(want_loss)) <= max(3 * loss_floor, 1e-5 * want_loss), (
+        got_loss, want_loss, loss_floor)  # fmt: skip
+    assert abs(float(whole_loss) - float(want_loss)) > 1e-4  # M matters: the check can fail
+    assert _relative_worst(got, want) <= max(3 * floor, 1e-4), floor
+
+
+def test_efficientnet_b0_with_dropout_and_stochastic_depth():
+    """EfficientNetB0 (rescaling and normalisation layers, squeeze-excite multiplies, dropout
+    and per-block stochastic depth) built unchanged, K=4, M=2: predict equals the plain model
+    with the same weights; fit lowers the loss (random layers draw per micro-batch)."""
+
+    def model():
+        keras.utils.set_random_seed(1)
+        return keras.applications.EfficientNetB0(
+            weights=None, input_shape=(32, 32, 3), classes=10, classifier_activation=None
+        )
+
+    x = tf.random.stateless_uniform([8, 32, 32, 3], [1, 2], maxval=255.0)
+    y = np.arange(8) % 10
+    plain, pipe = model(), GPipe(model(), num_partitions=4, num_micro_batches=2)
+    assert min(pipe.balance) > 10 and len(pipe.weights) == len(plain.weights)
+    pipe.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    history = pipe.fit(x, y, batch_size=8, epochs=4, verbose=0).history['loss']
+    assert history[-1] < history[0], history
+    plain.set_weights(pipe.get_weights())  # the trained weights (and moving averages)
+    got, want = pipe.predict(x, verbose=0), plain.predict(x, verbose=0)
+    assert np.abs(want).max() > 1e-2
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def _chain(seed=0):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((8,))
+    h = x
+    for name, width in [('h1', 64), ('h2', 64), ('h3', 4), ('h4', 4)]:
+        h = keras.layers.Dense(width, activation='relu', name=name)(h)
+    return keras.Model(x, keras.layers.Dense(3, name='out')(h))
+
+
+def test_equal_cost_cuts_carry_least_and_cuts_by_name():
+    # Uniform costs: [h1 h2 | h3 h4 out] and [h1 h2 h3 | h4 out] both have 3 layers in the
+    # larger cell; the second cut carries 4 values per example instead of 64.
+    assert GPipe(_chain(), num_partitions=2, partition_by='uniform').balance == [3, 2]
+    pipe = GPipe(_chain(), cut_after=['h1', 'h4'], num_micro_batches=2)
+    assert pipe.balance == [1, 3, 1] and pipe.num_partitions == 3
+    plain = _chain()
+    np.testing.assert_allclose(pipe.predict(X[:6], verbose=0), plain.predict(X[:6], verbose=0),
+                               rtol=1e-5, atol=1e-7)  # fmt: skip
+    lines = []
+    pipe.summary(print_fn=lines.append)
+    text = '\n'.join(lines)
+    assert 'GPipe: 3 partitions, 2 micro-batches' in text
+    assert 'h2 .. h4 (3)' in text and '/device:CPU:2' in text
+    with pytest.raises(ValueError, match=r"no layer 'h33' \(did you mean 'h3'\?\)"):
+        GPipe(_chain(), cut_after=['h33'])
+    with pytest.raises(ValueError, match='in the order they run'):
+        GPipe(_chain(), cut_after=['h3', 'h1'])
+    with pytest.raises(ValueError, match='called 2 times'):
+        GPipe(_residual(), cut_after=['shared'])
+    with pytest.raises(ValueError, match='not both'):
+        GPipe(_chain(), cut_after=['h1'], balance=[1, 4])
+
+
+def test_uneven_batches_fit_predict_evaluate_like_plain_keras():
+    """100 examples, batch 32, M=8: the last batch has 4 (half the micro-batches hold one
+    example, the rest none); predict on 10; evaluate on a dataset without drop_remainder."""
+    x = np.random.RandomState(7).randn(100, 8).astype('float32')
+    y = np.random.RandomState(8).randint(0, 3, 100)
+    plain = _compile(_residual())
+    pipe = _compile(GPipe(_residual(), num_partitions=2, num_micro_batches=8))
+    fit = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(
+        pipe.fit(x, y, **fit).history['loss'], plain.fit(x, y, **fit).history['loss'], rtol=1e-5
+    )
+    _assert_same_weights(pipe, plain)
+    np.testing.assert_allclose(pipe.predict(x[:10], verbose=0), plain.predict(x[:10], verbose=0),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(24)  # 24 x 4 + 4
+    np.testing.assert_allclose(pipe.evaluate(data, verbose=0), plain.evaluate(data, verbose=0),
+                               rtol=1e-5)  # fmt: skip

@@ -3,6 +3,7 @@
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 from tf_gpipe import layers
@@ -37,6 +38,29 @@ def test_balance_is_optimal(seed):
 def test_k_larger_than_layers():
     with pytest.raises(ValueError, match='larger than the number of layers'):
         partition.balance([1, 1], 3)
+
+
+@pytest.mark.parametrize('seed', range(30))
+def test_ties_go_to_the_cuts_that_carry_least(seed):
+    """Among the splits with the optimal largest cost, the fewest activations cross the cuts
+    (against brute force over every split)."""
+    rng = np.random.RandomState(seed)
+    n, k = rng.randint(2, 9), rng.randint(1, 5)
+    k = min(k, n)
+    costs = [float(rng.choice([0.0, 1.0, 2.0])) for _ in range(n)]
+    crossing = [int(rng.randint(1, 100)) for _ in range(n)]
+    splits = partition.balance(costs, k, crossing)
+    best = _brute_force(costs, k)
+
+    def carried(ends):
+        return sum(crossing[e - 1] for e in ends[:-1])
+
+    def worst(ends):
+        return max(sum(costs[a:b]) for a, b in partition.blocks(ends))
+
+    every = [list(c) + [n] for c in itertools.combinations(range(1, n), k - 1)]
+    assert worst(splits) == best
+    assert carried(splits) == min(carried(e) for e in every if worst(e) == best)
 
 
 def test_costs_from_fprop_meta():

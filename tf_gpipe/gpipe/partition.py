@@ -93,8 +93,10 @@ def check_num_partitions(num_partitions, num_layers):
         )
 
 
-def balance(costs, num_partitions):
-    """Ending indices of K contiguous blocks minimising the largest block cost (exact)."""
+def balance(costs, num_partitions, crossing=None):
+    """Ending indices of K contiguous blocks minimising the largest block cost (exact); among
+    the splits that reach that cost, the one whose cuts carry the fewest activations
+    (`crossing[i]`: the size of what layer i passes on; a cut after layer i carries it)."""
     n = len(costs)
     check_num_partitions(num_partitions, n)
     prefix = np.concatenate([[0.0], np.cumsum(costs, dtype=np.float64)])
@@ -109,11 +111,52 @@ def balance(costs, num_partitions):
                 value = max(best[k - 1][j], prefix[i] - prefix[j])
                 if value < best[k][i] - 1e-12:
                     best[k][i], choice[k][i] = value, j
+    if crossing is not None:
+        # Second pass: every block within the optimum, the fewest activations across cuts.
+        # (A lexicographic (max, crossing) DP in one pass would not be exact.)
+        limit = best[num_partitions][n] * (1 + 1e-9) + 1e-12
+        carried = np.full((num_partitions + 1, n + 1), inf)
+        carried[0][0] = 0.0
+        for k in range(1, num_partitions + 1):
+            for i in range(k, n - (num_partitions - k) + 1):
+                for j in range(k - 1, i):
+                    if prefix[i] - prefix[j] > limit or carried[k - 1][j] == inf:
+                        continue
+                    value = carried[k - 1][j] + (float(crossing[j - 1]) if j > 0 else 0.0)
+                    if value < carried[k][i]:
+                        carried[k][i], choice[k][i] = value, j
     splits, i = [], n
     for k in range(num_partitions, 0, -1):
         splits.append(i)
         i = choice[k][i]
     return sorted(splits)
+
+
+def costs_and_crossing(sub, partition_by, input_shape=None, input_dtype=tf.float32):
+    """(layer_costs, crossing sizes or None) with each layer's FPropMeta computed once."""
+    metas = None
+    if input_shape is not None and partition_by in _META_FIELD:
+        metas = layer_metas(sub, input_shape)
+    elif input_shape is not None and partition_by in PARTITION_BY:
+        try:  # only for the tie-break: a layer without a usable FPropMeta just goes without
+            metas = layer_metas(sub, input_shape)
+        except Exception:  # noqa: BLE001
+            metas = None
+    if partition_by in _META_FIELD and metas is not None:
+        costs = [float(getattr(m, _META_FIELD[partition_by])) for m in metas]
+    else:
+        costs = layer_costs(sub, partition_by, input_shape, input_dtype)
+    return costs, (None if metas is None else [_passed_on(m) for m in metas])
+
+
+def _passed_on(meta):
+    """Elements per example a layer passes on: its whole output state, so a skip
+    connection's tensors count at every cut they cross."""
+    total = 0
+    for shape in tf.nest.flatten(meta.out_shapes):
+        dims = tf.TensorShape(shape).as_list()[1:] if tf.TensorShape(shape).rank else []
+        total += int(np.prod([d or 1 for d in dims]))
+    return total
 
 
 def check_splits(splits, num_layers):

@@ -195,8 +195,10 @@ class PipelinedLayer(base_layer.BaseLayer):
             # Before costing: partition_by='time' would run every layer first.
             num_cells = p.num_partitions * p.virtual_stages
             partition.check_num_partitions(num_cells, len(sub))
-            costs = partition.layer_costs(sub, p.partition_by, p.input_shape, p.input_dtype)
-            splits = partition.balance(costs, num_cells)
+            costs, crossing = partition.costs_and_crossing(
+                sub, p.partition_by, p.input_shape, p.input_dtype
+            )
+            splits = partition.balance(costs, num_cells, crossing)
         cells = [
             SequentialLayer.Params().Set(name=f'cell{i}', sub=[q.Copy() for q in sub[a:b]])
             for i, (a, b) in enumerate(partition.blocks(splits))

@@ -55,6 +55,8 @@ class GPipeModel(keras.Model):
       num_partitions: K, balanced automatically by `partition_by`. None (and no `balance`): one
         partition per device of `devices` or of the current device mesh.
       balance: explicit layers per partition, e.g. [3, 3, 2, 2] (overrides num_partitions).
+      cut_after: explicit cuts by layer name: a partition ends after each named layer's call,
+        e.g. ['conv3_block4_out', 'conv4_block6_out'] (K = len + 1).
       num_micro_batches: M; any batch size works (min(M, N) micro-batches whose sizes differ by
         at most one), the last partial batch of an epoch and a small predict() included.
       recompute: 'always' | 'except_last' | 'never' (see PipelinedLayer).
@@ -74,6 +76,7 @@ class GPipeModel(keras.Model):
         *,
         num_partitions=None,
         balance=None,
+        cut_after=None,
         num_micro_batches=1,
         recompute='except_last',
         schedule='gpipe',
@@ -127,6 +130,8 @@ class GPipeModel(keras.Model):
                     _param_names(originals), originals, in_shapes
                 )
             ]
+        if cut_after is not None:
+            balance = _balance_from_cuts(originals, cut_after, balance)
         num_partitions, splits = _splits(originals, num_partitions, balance, devices)
         super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
         # A functional model is saved as its own config (the graph), a Sequential by layers.
@@ -207,7 +212,7 @@ class GPipeModel(keras.Model):
     def balance(self):
         """Number of layers in each partition."""
         ends = self._pipe.splits
-        return [b - a for a, b in partition.blocks(ends)]
+        return [int(b - a) for a, b in partition.blocks(ends)]
 
     @property
     def devices(self):
@@ -220,6 +225,17 @@ class GPipeModel(keras.Model):
     def partition_table(self):
         """The partitions as a table: layers, params, flops and activation bytes per example, device."""
         return self._pipe.PartitionTable()
+
+    def summary(self, *args, **kwargs):
+        """Keras's summary of the layers, then the partitions: layers, params, device per cell."""
+        super().summary(*args, **kwargs)
+        print_fn = kwargs.get('print_fn') or print
+        o = self._options
+        print_fn(
+            f'GPipe: {self.num_partitions} partitions, {o["num_micro_batches"]} micro-batches, '
+            f'schedule={o["schedule"]!r}, recompute={o["recompute"]!r}\n'
+            f'{self.partition_table()}'
+        )
 
     # ---- running -----------------------------------------------------------------------------
 
@@ -457,6 +473,7 @@ def _functional_sub(model):
 _OPTIONS = (
     'num_partitions',
     'balance',
+    'cut_after',
     'num_micro_batches',
     'recompute',
     'schedule',
@@ -563,6 +580,36 @@ def _layer_shapes(layers, batch_shape, dtype):
                 f'Layer {layer.name!r} returns {len(spec)} outputs; a Sequential layer returns one.'
             )
     return shapes, spec
+
+
+def _balance_from_cuts(layers, cut_after, balance):
+    """Layers per partition for cuts after the named layers (calls, in the running order)."""
+    if balance is not None:
+        raise ValueError('Give balance=... or cut_after=..., not both.')
+    if isinstance(cut_after, str) or not cut_after:
+        raise ValueError(f'cut_after must be a non-empty list of layer names, got {cut_after!r}.')
+    names = [layer.name for layer in layers]
+    ends = []
+    for name in cut_after:
+        where = [i for i, n in enumerate(names) if n == name]
+        if not where:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f' (did you mean {close[0]!r}?)' if close else ''
+            raise ValueError(f'cut_after: the model has no layer {name!r}{hint}.')
+        if len(where) > 1:
+            raise ValueError(
+                f'cut_after: layer {name!r} is called {len(where)} times (at positions '
+                f'{where} of {len(names)}); give balance=[...] to cut between its calls.'
+            )
+        if where[0] == len(names) - 1:
+            raise ValueError(f'cut_after: {name!r} is the last layer; nothing would follow it.')
+        ends.append(where[0] + 1)
+    if ends != sorted(set(ends)):
+        raise ValueError(
+            f'cut_after must name layers in the order they run, each once: {list(cut_after)} '
+            f'runs at positions {[e - 1 for e in ends]}.'
+        )
+    return [b - a for a, b in zip([0] + ends, ends + [len(names)])]
 
 
 def _splits(layers, num_partitions, balance, devices):
