@@ -25,6 +25,7 @@ _SLOW_FIRST = (
     'test_keras_applications_unchanged_at_k4_step_like_plain_keras',
     'test_keras_applications_batch_norms_see_micro_batches',
     'test_efficientnet_b0_with_dropout_and_stochastic_depth',
+    'test_keras_resnet_example_runs',
 )
 
 
