@@ -222,7 +222,7 @@ def _tagger(seed=4):
     return keras.Model(ids, out)
 
 
-def test_keras_ops_keyword_tensors_and_masked_outputs():
+def test_keras_ops_keyword_tensors_and_masked_outputs(tmp_path):
     ids, _ = _padded_ids()
     tags = np.random.RandomState(6).randint(0, 3, ids.shape)
     steps, *_ = functional.steps_of(_tagger())
@@ -244,6 +244,11 @@ def test_keras_ops_keyword_tensors_and_masked_outputs():
     for m in (plain, pipe):
         np.testing.assert_allclose(m.evaluate(ids, other, verbose=0),
                                    m.evaluate(ids, tags, verbose=0), rtol=1e-6)  # fmt: skip
+    path = str(tmp_path / 'tagger.keras')  # ops, constants and masks survive save / load
+    pipe.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(ids, verbose=0), pipe.predict(ids, verbose=0),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
     # ... and with schedules that compute the loss per micro-batch, a masked output is refused.
     one_f = GPipe(_tagger(), num_partitions=2, num_micro_batches=4, schedule='1f1b')
     one_f.compile('sgd', loss)
@@ -298,11 +303,11 @@ def _relative_worst(got, want):
     return max(float(np.abs(g - w).max()) for g, w in zip(got, want)) / scale
 
 
-@pytest.mark.parametrize('name, size', [('ResNet50', 64), ('MobileNetV2', 32)])
+@pytest.mark.parametrize('name, size', [('ResNet50', 32), ('MobileNetV2', 32)])
 def test_keras_applications_unchanged_at_k4_step_like_plain_keras(name, size):
     """keras.applications models built unchanged, K=4, M=1: one SGD step changes every weight
     as the plain model's does, within the plain model's own float noise (ResNet50's eager and
-    tf.function gradients differ by ~0.4% here: 53 batch norms over 16 examples)."""
+    tf.function gradients differ by ~0.4%: 53 batch norms over 16 examples)."""
     x = tf.random.stateless_normal([16, size, size, 3], [1, 2])
     y = np.arange(16) % 10
     plain = _application(name, size)
@@ -348,7 +353,7 @@ def test_keras_applications_batch_norms_see_micro_batches(name):
     eager_loss, eager = grads(plain, 4)
     want_loss, want = tf.function(lambda: grads(plain, 4))()
     floor = _relative_worst(eager, want)
-    whole_loss, _ = tf.function(lambda: grads(plain, 1))()  # the whole batch's statistics
+    whole_loss = loss(y, plain(x, training=True))  # the whole batch's statistics
     got_loss, got = tf.function(lambda: grads(pipe, 1))()
     loss_floor = abs(float(eager_loss) - float(want_loss))
     assert abs(float(got_loss) - float(want_loss)) <= max(3 * loss_floor, 1e-5 * want_loss), (
@@ -375,7 +380,7 @@ def test_efficientnet_b0_with_dropout_and_stochastic_depth():
     pipe.compile(
         keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
-    history = pipe.fit(x, y, batch_size=8, epochs=4, verbose=0).history['loss']
+    history = pipe.fit(x, y, batch_size=8, epochs=3, verbose=0).history['loss']
     assert history[-1] < history[0], history
     plain.set_weights(pipe.get_weights())  # the trained weights (and moving averages)
     got, want = pipe.predict(x, verbose=0), plain.predict(x, verbose=0)
@@ -433,3 +438,19 @@ def test_uneven_batches_fit_predict_evaluate_like_plain_keras():
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(24)  # 24 x 4 + 4
     np.testing.assert_allclose(pipe.evaluate(data, verbose=0), plain.evaluate(data, verbose=0),
                                rtol=1e-5)  # fmt: skip
+
+
+def test_a_loss_added_in_a_call_is_refused_by_name():
+    class Penalised(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(keras.ops.mean(x**2))
+            return x
+
+    def model():
+        x = keras.Input((8,))
+        h = keras.layers.Dense(8, name='h')(x)
+        return keras.Model(x, keras.layers.Dense(3)(Penalised(name='pen')(h)))
+
+    pipe = _compile(GPipe(model(), num_partitions=2, num_micro_batches=2))
+    with pytest.raises(ValueError, match=r"Layer 'pen' adds a loss in its call \(add_loss\)"):
+        pipe.fit(X, Y, batch_size=16, epochs=1, verbose=0)

@@ -441,7 +441,7 @@ def _gradients(model, x, y, m=1):
     return loss, {v.path: g for v, g in zip(model.trainable_variables, grads)}
 
 
-@pytest.mark.parametrize('k', [2, 4])
+@pytest.mark.parametrize('k', [4])  # K=2 ran too; 4 cuts deeper inside the backbone
 def test_a_keras_model_inside_a_sequential_gets_every_gradient(k):
     """The transfer-learning stack: a keras.applications backbone inside a Sequential, cut at
     K=4 (the backbone's own graph is inlined and cut like the rest). Every one of its trainable

@@ -125,7 +125,9 @@ class KerasLayer(base_layer.BaseLayer):
             self._Build(shapes[0] if len(shapes) == 1 else shapes, inputs[0].dtype)
         kwargs = {'training': fprop_context.current().training} if self._takes_training else {}
         keras_state.replay_seeds(self._generators)
-        return self._layer(*inputs, **kwargs)
+        out = self._layer(*inputs, **kwargs)
+        check_no_call_losses(self._layer)
+        return out
 
     def PostTrainingStepUpdate(self):
         for stats in self._batch_norms:
@@ -151,6 +153,21 @@ class KerasLayer(base_layer.BaseLayer):
         act_bytes = out_elems * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
         # Estimate: each weight is used once per output position (exact for Dense).
         return base_layer.Meta(2 * params * positions + out_elems, out, params, act_bytes)
+
+
+def check_no_call_losses(layer):
+    """Refuses a loss made by `add_loss` inside a call: made in a cell, once per micro-batch
+    and recompute, it could not be the plain model's loss (weight regularizers are fine)."""
+    if not isinstance(layer, keras.layers.Layer):
+        return
+    regularized = sum(1 for v in layer.trainable_weights if v.regularizer is not None)
+    if len(layer.losses) > regularized:
+        raise ValueError(
+            f'Layer {layer.name!r} adds a loss in its call (add_loss), which would be made '
+            'inside a pipeline cell once per micro-batch and cannot reach fit() as the plain '
+            "model's loss. Return the quantity as a model output and give it a loss in "
+            'compile(), or use a weight regularizer (kernel_regularizer=...).'
+        )
 
 
 def _builds_by_running(layer):

@@ -17,7 +17,13 @@ import tensorflow as tf
 
 from tf_gpipe import base_layer, fprop_context
 from tf_gpipe.layers import keras_masks, keras_state
-from tf_gpipe.layers.keras_layer import KerasLayer, _python_random_seeded, _resolve, _size
+from tf_gpipe.layers.keras_layer import (
+    KerasLayer,
+    _python_random_seeded,
+    _resolve,
+    _size,
+    check_no_call_losses,
+)
 from tf_gpipe.nested_map import NestedMap
 
 
@@ -126,6 +132,7 @@ class KerasNodeLayer(KerasLayer):
             kwargs['training'] = fprop_context.current().training
         keras_state.replay_seeds(self._generators)
         out = self._layer(*args, **kwargs)
+        check_no_call_losses(self._layer)
         produced = _with_masks(p.outputs, tf.nest.flatten(out))
         # A layer may take the mask off its input tensor (MultiHeadAttention does): in the plain
         # model later readers of that tensor then see no mask, so here they see none either.
