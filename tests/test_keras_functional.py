@@ -69,6 +69,31 @@ def test_fit_equals_the_plain_functional_model(k):
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
+@pytest.mark.parametrize('optimizer', ['momentum', 'adam'])
+@pytest.mark.parametrize('balance', [[3, 5], [1, 1, 1, 5]])
+def test_skips_cross_every_cut_and_the_shared_layer_spans_cells(balance, optimizer):
+    """Cuts placed so that a skip tensor crosses every one of them (x rides from cell 0 to
+    the last; h over the next cuts), the shared Dense in the first and the last cell; M=4,
+    SGD with momentum and Adam (default epsilon): the plain model's weights (1e-5)."""
+    steps, *_ = functional.steps_of(_residual())
+    for end in np.cumsum(balance)[:-1]:
+        before = steps[end - 1]
+        assert set(before.keep) - set(before.outputs), f'no skip crosses the cut after {end}'
+
+    def opt():
+        if optimizer == 'adam':
+            return keras.optimizers.Adam(0.01)
+        return keras.optimizers.SGD(0.1, momentum=0.9)
+
+    plain = _compile(_residual(), opt())
+    pipe = _compile(GPipe(_residual(), balance=balance, num_micro_batches=4), opt())
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(
+        pipe.fit(X, Y, **fit).history['loss'], plain.fit(X, Y, **fit).history['loss'], rtol=1e-5
+    )
+    _assert_same_weights(pipe, plain)
+
+
 def test_other_schedules_and_save_load(tmp_path):
     plain = _compile(_residual(), keras.optimizers.Adam(0.01, epsilon=1e-3))
     pipe = _compile(

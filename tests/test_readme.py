@@ -59,3 +59,13 @@ def test_keras_resnet_example_runs():
     assert re.search(r'\[\d+, \d+, \d+, \d+\]', result.stdout.splitlines()[-1]), result.stdout[
         -500:
     ]
+
+
+def test_keras_cut_after_example_names_real_resnet50_layers():
+    import keras
+
+    with open(os.path.join(ROOT, 'README.md'), encoding='utf-8') as f:
+        sentence = re.search(r'GPipe\(resnet, cut_after=\[([^\]]*)\]', f.read())
+    names = re.findall(r"'([^']+)'", sentence.group(1))
+    resnet = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    assert names and set(names) <= {layer.name for layer in resnet.layers}, names
