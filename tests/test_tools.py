@@ -107,3 +107,26 @@ def test_benchmark_runs_on_two_workers():
     assert rows[('zero_bubble', 2, 2)]['speedup'] > 0
     names = [r['name'] for r in result['overheads']]
     assert names[0] == 'plain sequence' and 'K=1 M=2 always' in names
+
+
+def test_plan_ranks_configurations_and_names_a_bad_device():
+    out = _run(
+        [
+            os.path.join(TOOLS, 'plan.py'),
+            '--model=lm.synthetic.TransformerLmTiny',
+            '--device=v100-16gb',
+            '--num_devices=2',
+            '--micro_batches=1,2,4',
+            '--json',
+        ]
+    )
+    plans = json.loads(out.splitlines()[-1])
+    assert {p['schedule'] for p in plans} >= {'gpipe', '1f1b'} and all(p['fits'] for p in plans)
+    speeds = [p['examples_per_second'] for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(len(p['stages']) == 2 and p['peak_bytes'] > 0 for p in plans)
+    bad = subprocess.run(
+        [sys.executable, os.path.join(TOOLS, 'plan.py'), '--model=lm.synthetic.TransformerLmTiny',
+         '--device=v100-16'], capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "did you mean 'v100-16gb'" in bad.stderr
