@@ -17,6 +17,7 @@ prints them next to measurements where we have them (docs), and the README says 
 
 import dataclasses
 
+from tf_gpipe import base_layer
 from tf_gpipe.gpipe import partition, schedules
 
 GIB = 1 << 30
@@ -118,11 +119,11 @@ def plan(
     batch = int(input_shape[0])
     if m > batch:
         raise ValueError(f'num_micro_batches={m} is larger than the batch ({batch}).')
-    costs = [float(getattr(meta, _COST[partition_by])) for meta in metas]
-    crossing = [meta.activation_bytes for meta in metas]
-    splits = partition.balance(costs, k * v, crossing)
+    # The cells the engine would cut: the same costs and the same tie-break.
+    costs = partition.meta_costs(metas, partition_by)
+    splits = partition.balance(costs, k * v, [partition.passed_on(meta) for meta in metas])
     cells = partition.blocks(splits)
-    input_bytes = _elements(input_shape) * 4
+    input_bytes = base_layer.num_elements(input_shape) * 4
     per_cell = []
     for a, b in cells:
         inputs = input_bytes if a == 0 else metas[a - 1].activation_bytes
@@ -195,13 +196,3 @@ def recommend(sub, input_shape, num_devices, device, optimizer_slots=1, micro_ba
                     )  # fmt: skip
                 )
     return sorted(plans, key=lambda p: (not p.fits(device), -p.examples_per_second, p.peak))
-
-
-_COST = {'flops': 'flops', 'params': 'param_count', 'activation_bytes': 'activation_bytes'}
-
-
-def _elements(shape):
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n

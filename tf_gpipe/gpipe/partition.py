@@ -55,7 +55,12 @@ def layer_costs(sub, partition_by, input_shape=None, input_dtype=tf.float32):
         )
     if partition_by == 'time':
         return measure_times(sub, input_shape, input_dtype)
-    return [float(getattr(m, _META_FIELD[partition_by])) for m in layer_metas(sub, input_shape)]
+    return meta_costs(layer_metas(sub, input_shape), partition_by)
+
+
+def meta_costs(metas, partition_by):
+    """One cost per layer from its FPropMeta ('flops', 'params' or 'activation_bytes')."""
+    return [float(getattr(m, _META_FIELD[partition_by])) for m in metas]
 
 
 def measure_times(sub, input_shape, input_dtype=tf.float32, repeats=3):
@@ -143,13 +148,13 @@ def costs_and_crossing(sub, partition_by, input_shape=None, input_dtype=tf.float
         except Exception:  # noqa: BLE001
             metas = None
     if partition_by in _META_FIELD and metas is not None:
-        costs = [float(getattr(m, _META_FIELD[partition_by])) for m in metas]
+        costs = meta_costs(metas, partition_by)
     else:
         costs = layer_costs(sub, partition_by, input_shape, input_dtype)
-    return costs, (None if metas is None else [_passed_on(m) for m in metas])
+    return costs, (None if metas is None else [passed_on(m) for m in metas])
 
 
-def _passed_on(meta):
+def passed_on(meta):
     """Elements per example a layer passes on: its whole output state, so a skip
     connection's tensors count at every cut they cross."""
     total = 0
