@@ -541,13 +541,15 @@ def test_embedding_with_adam_matches_plain_keras(schedule):
 
 
 def test_keras_user_findings():
-    """What a Keras user hit: a misspelt option, GPipe under a strategy scope, an uncompiled
+    """What a Keras user hit: a misspelt option, GPipe under a strategy not made by a mesh, an uncompiled
     model called in training mode, validation_split leaving batches M does not divide."""
     with pytest.raises(TypeError, match="unknown argument 'num_micro_batch' \\(did you mean "):
         GPipe(_mlp(), num_micro_batch=4)
     strategy = tf.distribute.MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])
     with strategy.scope():
-        with pytest.raises(ValueError, match='inside the scope of MirroredStrategy'):
+        with pytest.raises(
+            ValueError, match='MirroredStrategy that does not come from a DeviceMesh'
+        ):
             GPipe(_mlp(), num_partitions=2)
     uncompiled = GPipe(_mlp(), num_partitions=2, num_micro_batches=2)
     plain = _mlp()

@@ -75,3 +75,23 @@ def test_keras_optimizer_hooks_placement_replaces(kind):
         setattr(optimizer, name, recording(name, getattr(optimizer, name)))
     optimizer.apply_gradients([(tf.constant([0.5, 0.5]), tf.Variable([1.0, 2.0]))])
     assert called == set(names)
+
+
+def test_mirrored_strategy_takes_copy_devices_from_colocate_with():
+    """distribute.stage_variables passes MirroredStrategy's variable creator an object whose
+    `_devices` name the copies' devices (mirrored_strategy.py, MirroredExtended._create_variable):
+    the only way to put cell k's copies on column k of the mesh."""
+    import inspect
+
+    from tensorflow.python.distribute import mirrored_strategy
+
+    from tf_gpipe import cluster, distribute
+
+    source = inspect.getsource(mirrored_strategy.MirroredExtended._create_variable)
+    assert 'colocate_with._devices' in source
+    mesh = cluster.DeviceMesh.from_local(num_replicas=2, num_stages=2)
+    strategy = mesh.strategy()
+    with strategy.scope(), distribute.stage_variables(mesh, 1):
+        v = tf.Variable(1.0)
+    got = [tf.DeviceSpec.from_string(c.device).device_index for c in v.values]
+    assert got == [1, 3]

@@ -253,8 +253,11 @@ class BaseLayer(tf.Module):
         setattr(self, name, built)
         return built
 
-    def CreateVariable(self, name, shape, init=None, dtype=None, trainable=True):
-        """Creates variable `name`; its initial value is seeded by (random_seed, seed name)."""
+    def CreateVariable(self, name, shape, init=None, dtype=None, trainable=True, **kwargs):
+        """Creates variable `name`; its initial value is seeded by (random_seed, seed name).
+
+        `kwargs` go to tf.Variable (`synchronization`, `aggregation`: how a tf.distribute
+        strategy keeps and updates its per-replica copies)."""
         self._CheckNewName(name, 'Variable')
         init = init if init is not None else self._params.params_init
         dtype = dtype or self._params.dtype
@@ -262,7 +265,7 @@ class BaseLayer(tf.Module):
         with tf.init_scope():
             value = initial_value(init, shape, dtype, seed)
             var = tf.Variable(
-                value, name=f'{_module_name(self._seed_name)}/{name}', trainable=trainable
+                value, name=f'{_module_name(self._seed_name)}/{name}', trainable=trainable, **kwargs
             )
         self._vars[name] = var
         return var

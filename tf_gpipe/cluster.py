@@ -112,6 +112,13 @@ class DeviceMesh:
             ]
         )
 
+    def strategy(self):
+        """The mesh's tf.distribute strategy (made once): replicas are its rows; pipelines built
+        inside its scope put cell k of replica r on [r][k] (see distribute.py)."""
+        from tf_gpipe import distribute
+
+        return distribute.strategy_for(self)
+
     @property
     def shape(self):
         return self.devices.shape

@@ -16,11 +16,12 @@ Both give exactly the plain sequence's gradients (micro-batch by micro-batch for
 mix examples, i.e. batch norm).
 """
 
+import contextlib
 import types
 
 import tensorflow as tf
 
-from tf_gpipe import base_layer, cluster, fprop_context
+from tf_gpipe import base_layer, cluster, distribute, fprop_context
 from tf_gpipe.gpipe import (
     executor,
     microbatch,
@@ -95,23 +96,33 @@ class PipelinedLayer(base_layer.BaseLayer):
         schedules.build(p.schedule, k, p.num_micro_batches, p.virtual_stages)
         # Plain caches, out of tf.Module's tracking (a checkpoint holds no schedules).
         self._cache = types.SimpleNamespace(schedules={}, orders={})
-        self._replica_devices = self._DeviceRows(p, r_count, k)
+        # Under mesh.strategy().scope() the strategy's replicas are the mesh's rows: one set of
+        # cells whose variables have a copy per replica (cell k's on mesh[r][k]), run by
+        # replica r on row r inside strategy.run. Otherwise R in-graph copies of the cells.
+        self._mesh = distribute.current_mesh()
+        if self._mesh is not None:
+            self._replica_devices = self._StrategyRows(p, k)
+        else:
+            self._replica_devices = self._DeviceRows(p, r_count, k)
         self._devices = self._replica_devices[0]
         # Replica 0's cells are `cell<k>`; replica r's are `replica<r>_cell<k>`, copies that start
         # equal and receive the same all-reduced gradients, so they stay equal.
         self._replica_cells, self._runners = [], []
-        for r, row in enumerate(self._replica_devices):
-            cells, runners = [], []
+        copies = 1 if self._mesh is not None else len(self._replica_devices)
+        for r, row in enumerate(self._replica_devices[:copies]):
+            cells = []
             for i, cp in enumerate(cell_params):
                 name = f'cell{i}' if r == 0 else f'replica{r}_cell{i}'
-                device = row[i % k]
-                with tf.device(device):
+                with tf.device(row[i % k]), self._StageVariables(i % k):
                     cells.append(self.CreateChild(name, cp))
-                runners.append(CellRunner(cells[-1], device, i, p.jit_compile))
             self._replica_cells.append(cells)
-            self._runners.append(runners)
             # A softmax in the last cell may read the embedding of the first (tied weights).
             tie_embeddings([layer for c in cells for layer in c.AllLayers()])
+        for r, row in enumerate(self._replica_devices):
+            cells = self._replica_cells[min(r, copies - 1)]
+            self._runners.append(
+                [CellRunner(c, row[i % k], i, p.jit_compile) for i, c in enumerate(cells)]
+            )
         self._cells = self._replica_cells[0]
         for cells in self._replica_cells[1:]:
             for src, dst in zip(self._cells, cells):
@@ -120,10 +131,34 @@ class PipelinedLayer(base_layer.BaseLayer):
         self._replica_variables = [
             [v for c in cells for v in c.trainable_variables] for cells in self._replica_cells
         ]
-        with tf.device(self._devices[0]):
+        with tf.device(self._devices[0]), self._StageVariables(0):
             self.CreateVariable(
-                'step', [], init=base_layer.WeightInit.Constant(0), dtype=tf.int64, trainable=False
+                'step',
+                [],
+                init=base_layer.WeightInit.Constant(0),
+                dtype=tf.int64,
+                trainable=False,
+                # Under a strategy every replica counts the same step: replica 0's count is kept.
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
+
+    def _StageVariables(self, stage):
+        if self._mesh is None:
+            return contextlib.nullcontext()
+        return distribute.stage_variables(self._mesh, stage)
+
+    @staticmethod
+    def _StrategyRows(p, k):
+        if p.num_replicas != 1 or p.devices is not None:
+            raise ValueError(
+                f'{p.name}: built inside mesh.strategy().scope(), the replicas and devices come '
+                f'from the mesh; leave num_replicas=1 (got {p.num_replicas}) and devices=None '
+                f'(got {p.devices}).'
+            )
+        mesh = distribute.current_mesh()
+        return [
+            cluster.check_device_names(mesh.stage_devices(k, r)) for r in range(mesh.num_replicas)
+        ]
 
     def _NamedChildren(self, replica):
         # Cells cut from `sub` are the partitioner's, not the model's: their layers sit
@@ -259,7 +294,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             return tf.cast(ctx.step, tf.int64)
         if not ctx.training:
             return tf.constant(0, tf.int64)
-        with tf.device(self._devices[0]):
+        with tf.device(self._Row()[0]):
             return self.vars.step.assign_add(1) - 1
 
     def Schedule(self, num_micro_batches=None):
@@ -276,10 +311,20 @@ class PipelinedLayer(base_layer.BaseLayer):
         """Per replica, its micro-batches of `structure`, split on each replica's first (or
         last) stage."""
         p = self.params
-        devices = [row[0] if first else row[-1] for row in self._replica_devices]
-        return replication.shard(
-            structure, self.num_replicas, p.num_micro_batches, p.batch_dim, devices
-        )
+        rows = [self._replica_devices[r] for r in self._LocalReplicas()]
+        devices = [row[0] if first else row[-1] for row in rows]
+        return replication.shard(structure, len(rows), p.num_micro_batches, p.batch_dim, devices)
+
+    def _Row(self):
+        """The devices of the first replica this call runs."""
+        return self._replica_devices[self._LocalReplicas()[0]]
+
+    def _LocalReplicas(self):
+        """The replicas this call runs: every in-graph copy, or under a strategy the one whose
+        strategy.run this is (replica 0's devices in cross-replica context)."""
+        if self._mesh is None:
+            return list(range(len(self._replica_devices)))
+        return [distribute.replica_index()]
 
     def _Executor(self, r, num_micro_batches, step, sums, input_grads, head=None):
         runners = list(self._runners[r])
@@ -321,7 +366,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         def pipeline(*flat):
             shards = self._Shards(tf.nest.pack_sequence_as(inputs, list(flat)), first=True)
             runs, outs = [], []
-            for r, micro in enumerate(shards):
+            for r, micro in zip(self._LocalReplicas(), shards):
                 if not micro:
                     continue
                 run = self._Executor(
@@ -334,7 +379,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                     outs.append(
                         microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
                     )
-            with tf.device(self._devices[-1]):
+            with tf.device(self._Row()[-1]):
                 merged = microbatch.merge(outs, p.batch_dim)
             out_structure.append(merged)
 
@@ -346,7 +391,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         # tf.custom_gradient joins inputs, outputs and variables in one IdentityN op: on the
         # last stage, where the outputs are, rather than wherever the caller's scope says
         # (on a TF cluster the client, which would pull the whole batch through it).
-        with tf.device(self._devices[-1]):
+        with tf.device(self._Row()[-1]):
             flat_out = pipeline(*flat_inputs)
         return _Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
 
@@ -358,7 +403,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     def _FPropBackward(self, runs, merged, dys, flat_inputs, variables):
         """fill-drain's backward actions from the caller's output gradients."""
         p = self.params
-        with tf.device(self._devices[-1]):
+        with tf.device(self._Row()[-1]):
             dys = [
                 tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
                 for y, dy in zip(tf.nest.flatten(merged), dys)
@@ -373,7 +418,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                 d_inputs.append(
                     microbatch.merge([run.d_inputs[m] for m in range(len(d_micro))], p.batch_dim)
                 )
-        with tf.device(self._devices[0]):
+        with tf.device(self._Row()[0]):
             d_flat = tf.nest.flatten(microbatch.merge(d_inputs, p.batch_dim))
         d_flat = [g if x.dtype.is_floating else None for x, g in zip(flat_inputs, d_flat)]
         return d_flat, self._VariableGrads([run.sums for run in runs], variables)
@@ -381,7 +426,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     def _VariableGrads(self, sums, variables, scale=None):
         """Gradients lined up with `variables`: replica copies all-reduced, others summed."""
         replica_vars = self._replica_variables
-        summed = replication.sum_over_replicas(_Pad(sums, self.num_replicas), replica_vars, scale)
+        summed = replication.sum_over_replicas(_Pad(sums, len(replica_vars)), replica_vars, scale)
         by_ref = {}
         for vs, gs in zip(replica_vars, summed):
             by_ref.update({v.ref(): g for v, g in zip(vs, gs)})
@@ -410,19 +455,24 @@ class PipelinedLayer(base_layer.BaseLayer):
         tgt_shards = self._Shards(targets, first=False) if targets is not None else None
         head = recompute.LossHead(loss_fn, self.params.batch_dim)
         runs = []
-        for r, micro in enumerate(in_shards):
+        if tgt_shards is None:
+            tgt_shards = [[None] * len(micro) for micro in in_shards]
+        for r, micro, targets in zip(self._LocalReplicas(), in_shards, tgt_shards):
             if not micro:
                 continue
             sums = ownership.GradientSums()
             run = self._Executor(r, len(micro), step, sums, input_grads=False, head=head)
-            run.Feed(micro, tgt_shards[r] if tgt_shards is not None else [None] * len(micro))
+            run.Feed(micro, targets)
             run.Run(self._Order(run.sched))
             runs.append(run)
-        with tf.device(self._devices[-1]):
-            weighted = [w for run in runs for w, _ in run.losses.values()]
-            weights = [n for run in runs for _, n in run.losses.values()]
-            total_weight = tf.add_n(weights)
-            loss = tf.add_n(weighted) / total_weight
+        with tf.device(self._Row()[-1]):
+            weighted = tf.add_n([w for run in runs for w, _ in run.losses.values()])
+            total_weight = tf.add_n([n for run in runs for _, n in run.losses.values()])
+            if self._mesh is not None:
+                # A replica's share of the global batch's mean (tf.distribute's convention: the
+                # strategy's SUM over replicas, e.g. in optimizer.apply_gradients, makes it whole).
+                total_weight = distribute.all_reduce_sum(total_weight)
+            loss = weighted / total_weight
             scale = 1.0 / total_weight
         variables = self.trainable_variables
         self._CheckOwned([run.sums for run in runs], variables)
@@ -437,7 +487,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                         [run.outputs[m] for m in range(len(micro))], self.params.batch_dim
                     )
                 )
-        with tf.device(self._devices[-1]):
+        with tf.device(self._Row()[-1]):
             outputs = _Unpack(microbatch.merge(merged, self.params.batch_dim))
         return loss, grads, outputs
 
@@ -458,7 +508,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         """Forward only, no tapes, still one device after another in wave order."""
         p = self.params
         outs = []
-        for r, micro in enumerate(self._Shards(inputs, first=True)):
+        for r, micro in zip(self._LocalReplicas(), self._Shards(inputs, first=True)):
             if not micro:
                 continue
             sched = self.Schedule(len(micro))
@@ -471,11 +521,18 @@ class PipelinedLayer(base_layer.BaseLayer):
                 outs.append(
                     microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
                 )
-        with tf.device(self._devices[-1]):
+        with tf.device(self._Row()[-1]):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
 
     def PostTrainingStepUpdate(self):
-        """Replicas first pool their batch-norm sums, so every copy moves with the global batch."""
+        """Replicas first pool their batch-norm sums, so every copy moves with the global batch.
+
+        Under a strategy the sums are per-replica variables (synchronized on read) whose read in
+        cross-replica context is their sum over replicas: inside strategy.run, the update runs
+        once there, by merge_call."""
+        if self._mesh is not None and distribute.in_replica_context():
+            tf.distribute.get_replica_context().merge_call(lambda _: self.PostTrainingStepUpdate())
+            return
         replication.pool_batch_norm_sums(self._replica_cells)
         super().PostTrainingStepUpdate()
 

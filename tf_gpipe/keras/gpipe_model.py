@@ -90,7 +90,6 @@ class GPipeModel(keras.Model):
         **kwargs,
     ):
         _check_options(kwargs)
-        _check_no_strategy()
         # A functional model, or a Sequential holding one (a keras.applications backbone) or
         # making Keras masks, is cut as a graph of calls (whose steps carry masks); a plain
         # Sequential as a chain of layers.
@@ -318,11 +317,15 @@ class GPipeModel(keras.Model):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         targets = (y,) if sample_weight is None else (y, sample_weight)
 
+        # Under a tf.distribute strategy Keras divides every loss by the number of replicas;
+        # ComputeGradients already returns each replica's share of the global batch's mean.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+
         def loss_fn(y_pred, t):
             loss = self.compute_loss(
                 y=t[0], y_pred=y_pred, sample_weight=t[1] if len(t) > 1 else None
             )
-            return self.optimizer.scale_loss(loss)
+            return self.optimizer.scale_loss(loss * tf.cast(replicas, loss.dtype))
 
         step = tf.convert_to_tensor(self.optimizer.iterations)
         with fprop_context.scope(training=True, step=step):
@@ -339,6 +342,7 @@ class GPipeModel(keras.Model):
         with tf.device(self._pipe.devices[-1]):
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
+            loss = loss * tf.cast(replicas, loss.dtype)  # this replica's mean, as Keras tracks it
             for metric in self.metrics:  # Keras' loss tracker, by its public name
                 if metric.name == 'loss':
                     metric.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
@@ -497,19 +501,6 @@ def _check_options(kwargs):
                 f'GPipe got an unknown argument {key!r} (did you mean {close[0]!r}?). Its '
                 f'options: {", ".join(_OPTIONS)}.'
             )
-
-
-def _check_no_strategy():
-    """Under a tf.distribute strategy's scope every replica would run the same K cells on the
-    same devices; refuse rather than pretend to be data-parallel."""
-    if tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
-        raise ValueError(
-            f'GPipe was built inside the scope of {type(strategy).__name__}: the pipeline does '
-            'not run under a tf.distribute strategy yet, so every replica would run the same '
-            'cells on the same devices. Build GPipe outside the strategy scope (its K devices '
-            'come from devices=... or the current tf_gpipe mesh).'
-        )
 
 
 def _flat_layers(sequential):

@@ -73,12 +73,17 @@ class BatchNormStats:
         self._keras_call = layer.call
         shape = tuple(layer.moving_mean.shape)
         with tf.init_scope(), tf.device(layer.moving_mean.value.device):
-            # normalization.accumulate_step's (count, sum, sum of squares) of x - moving_mean.
-            self._count = tf.Variable(0.0, trainable=False, name=f'{layer.name}_acc_count')
-            self._sum = tf.Variable(tf.zeros(shape), trainable=False, name=f'{layer.name}_acc_sum')
-            self._sum_sq = tf.Variable(
-                tf.zeros(shape), trainable=False, name=f'{layer.name}_acc_sum_sq'
+            # normalization.accumulate_step's (count, sum, sum of squares) of x - moving_mean;
+            # per replica under a tf.distribute strategy, summed over replicas when read in
+            # cross-replica context (the once-per-step update).
+            local = dict(
+                trainable=False,
+                synchronization=tf.VariableSynchronization.ON_READ,
+                aggregation=tf.VariableAggregation.SUM,
             )
+            self._count = tf.Variable(0.0, name=f'{layer.name}_acc_count', **local)
+            self._sum = tf.Variable(tf.zeros(shape), name=f'{layer.name}_acc_sum', **local)
+            self._sum_sq = tf.Variable(tf.zeros(shape), name=f'{layer.name}_acc_sum_sq', **local)
         layer.call = self.call
 
     @property

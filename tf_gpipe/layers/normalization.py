@@ -37,6 +37,12 @@ class BatchNormLayer(base_layer.BaseLayer):
         self.CreateVariable('moving_variance', [p.dim], init=_ONES, **stat)
         # Sums of (x - moving_mean) and its square: shifting by the moving mean keeps
         # E[x^2] - E[x]^2 accurate in float32.
+        # Under a tf.distribute strategy each replica sums its own micro-batches; read in
+        # cross-replica context (the once-per-step update) they are summed over replicas.
+        stat.update(
+            synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
         self.CreateVariable('acc_count', [], init=_ZEROS, **stat)
         self.CreateVariable('acc_sum', [p.dim], init=_ZEROS, **stat)
         self.CreateVariable('acc_sum_sq', [p.dim], init=_ZEROS, **stat)

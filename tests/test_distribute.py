@@ -1,0 +1,250 @@
+"""The tf.distribute backend: R=2 replicas x K=2 stages on 4 logical CPUs under mesh.strategy()
+(a MirroredStrategy). Replica r's cell k lives and runs on mesh[r][k]; the strategy's collectives
+sum the gradients; the result is one pipeline with R*M micro-batches on one row of devices."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tests.test_ownership import _tied_lm
+from tf_gpipe import cluster, distribute, fprop_context, gpipe, layers
+from tf_gpipe.keras import GPipe
+
+
+@pytest.fixture(scope='module')
+def mesh():
+    return cluster.DeviceMesh.from_local(num_replicas=2, num_stages=2)
+
+
+def _dev(name):
+    spec = tf.DeviceSpec.from_string(name)
+    return spec.device_type, spec.device_index
+
+
+def _replica_of(rows, device):
+    rows = [r for r, row in enumerate(rows) if _dev(device) in map(_dev, row)]
+    assert len(rows) == 1, device
+    return rows[0]
+
+
+def _bn_dropout_model():
+    fc = layers.FCLayer.Params().Set(input_dim=8, output_dim=8, activation='RELU')
+    sub = []
+    for i in range(3):
+        sub += [
+            fc.Copy().Set(name=f'fc{i}'),
+            layers.BatchNormLayer.Params().Set(name=f'bn{i}', dim=8),
+            layers.DropoutLayer.Params().Set(name=f'drop{i}', keep_prob=0.7),
+        ]
+    return sub
+
+
+def _pipe(sub, m, schedule, devices=None):
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(name='pipe', sub=sub, num_partitions=2, partition_by='uniform', devices=devices)
+        .Set(num_micro_batches=m, schedule=schedule, recompute='except_last', random_seed=3)
+        .Instantiate()
+    )
+
+
+def _mse(y, t):
+    return tf.reduce_mean(tf.square(y - t))
+
+
+def test_mesh_strategy_is_a_mirrored_strategy_with_stage_k_on_column_k(mesh):
+    strategy = mesh.strategy()
+    assert isinstance(strategy, tf.distribute.MirroredStrategy)
+    assert strategy is mesh.strategy() and strategy.num_replicas_in_sync == 2
+    with strategy.scope():
+        pipe = _pipe(_bn_dropout_model(), 2, 'gpipe')
+    rows = pipe.replica_devices
+    assert rows == [cluster.check_device_names(row) for row in mesh.devices]
+    for k, cell in enumerate(pipe.cells):
+        for v in cell.variables:  # trainable, moving averages and per-replica sums alike
+            copies = strategy.experimental_local_results(v)
+            assert [_dev(c.device) for c in copies] == [_dev(row[k]) for row in rows], v.name
+
+
+def _distributed_step(strategy, pipe, x, t, loss_fn, tape_fprop=False):
+    batch = next(
+        iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors((x, t))))
+    )
+
+    def replica_step(xb, tb):
+        with fprop_context.scope(step=tf.constant(5, tf.int64), training=True):
+            if tape_fprop:  # fill-drain as a differentiable op; the loss is the replica's share
+                with tf.GradientTape() as tape:
+                    share = loss_fn(pipe.FProp(xb), tb) * tf.cast(
+                        tf.shape(xb)[0] / tf.shape(x)[0], tf.float32
+                    )
+                grads = tape.gradient(share, pipe.trainable_variables)
+            else:
+                share, grads = pipe.ComputeGradients(xb, tb, loss_fn)
+        pipe.PostTrainingStepUpdate()
+        return share, distribute.all_reduce_sum(grads)
+
+    @tf.function
+    def step(batch):
+        share, grads = strategy.run(replica_step, batch)
+        return strategy.experimental_local_results(share), [
+            strategy.experimental_local_results(g) for g in grads
+        ]
+
+    shares, per_replica = step(batch)  # the loss shares are summed here, out of the graph
+    return sum(float(s) for s in shares), per_replica, step.get_concrete_function(batch).graph
+
+
+def _reference_step(pipe, x, t, loss_fn):
+    with fprop_context.scope(step=tf.constant(5, tf.int64), training=True):
+        loss, grads = tf.function(lambda: pipe.ComputeGradients(x, t, loss_fn))()
+    pipe.PostTrainingStepUpdate()
+    return loss, grads
+
+
+@pytest.mark.parametrize('schedule, tape_fprop', [('gpipe', True), ('1f1b', False)])
+def test_two_replicas_of_two_stages_train_as_one_pipeline_with_r_times_m(
+    mesh, schedule, tape_fprop
+):
+    """Batch norm (micro-batch statistics, moving averages from the global batch) and dropout
+    (replica r's micro-batch m is global micro-batch r*M + m): loss, every gradient and the
+    moving averages on both replicas equal one pipeline's with M=4 on one row (1e-5)."""
+    x = tf.random.stateless_normal([16, 8], [1, 2])
+    t = tf.random.stateless_normal([16, 8], [3, 4])
+    strategy = mesh.strategy()
+    with strategy.scope():
+        pipe = _pipe(_bn_dropout_model(), 2, schedule)
+    ref = _pipe(_bn_dropout_model(), 4, schedule, devices=pipe.replica_devices[0])
+    loss, per_replica, graph = _distributed_step(strategy, pipe, x, t, _mse, tape_fprop)
+    want_loss, want = _reference_step(ref, x, t, _mse)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    scale = max(float(np.abs(g).max()) for g in want)
+    for copies, w, v in zip(per_replica, want, ref.trainable_variables):
+        for g in copies:  # every replica applies the same all-reduced gradient
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=v.name)
+    assert float(np.abs(want[0]).max()) > 0
+    for mine, theirs in zip(pipe.variables, ref.variables):
+        if 'moving' in mine.name:
+            for copy in strategy.experimental_local_results(mine):
+                np.testing.assert_allclose(copy, theirs, rtol=1e-5, atol=1e-7, err_msg=mine.name)
+    moved = [v for v in ref.variables if 'moving_mean' in v.name]
+    assert moved and all(float(np.abs(v).max()) > 0 for v in moved)
+    # The gradients are summed by the strategy's collective, never by an op of ours that
+    # reads two replicas' tensors.
+    ops = {op.type for op in graph.get_operations()}
+    assert 'CollectiveReduceV2' in ops, sorted(ops)
+    for op in graph.get_operations():
+        if op.type == 'AddN':
+            replicas = {
+                _replica_of(pipe.replica_devices, i.op.device) for i in op.inputs if i.op.device
+            }
+            assert len(replicas) <= 1, (op.name, [i.op.device for i in op.inputs])
+
+
+def test_tied_embedding_under_the_strategy(mesh):
+    """The embedding in cell 0 read by the softmax in cell 1: its sparse and dense gradients
+    summed per replica, then over replicas, equal the plain sequence's."""
+    ids = tf.random.stateless_uniform([8, 6], [1, 1], 0, 16, tf.int32)
+    labels = tf.random.stateless_uniform([8, 6], [2, 2], 0, 16, tf.int32)
+    plain = layers.SequentialLayer.Params().Set(name='p', sub=_tied_lm(), random_seed=3)
+    plain = plain.Instantiate()
+
+    def loss_fn(logits, y):
+        return plain.sub[-1].XentLoss(logits, y).avg_xent
+
+    with tf.GradientTape() as tape:
+        want_loss = loss_fn(plain.FProp(ids), labels)
+    want = tape.gradient(want_loss, plain.trainable_variables)
+    strategy = mesh.strategy()
+    with strategy.scope():
+        pipe = _pipe(_tied_lm(), 2, 'gpipe')
+    loss, per_replica, _ = _distributed_step(strategy, pipe, ids, labels, loss_fn)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    want = {v.name: tf.convert_to_tensor(g) for v, g in zip(plain.trainable_variables, want)}
+    scale = max(float(np.abs(g).max()) for g in want.values())
+    assert 'emb/emb:0' in want
+    for v, copies in zip(pipe.trainable_variables, per_replica):
+        for g in copies:
+            np.testing.assert_allclose(
+                tf.convert_to_tensor(g), want[v.name], rtol=1e-5, atol=1e-5 * scale, err_msg=v.name
+            )
+
+
+def test_errors_name_the_fix(mesh):
+    with mesh.strategy().scope():
+        with pytest.raises(ValueError, match='leave num_replicas=1'):
+            gpipe.PipelinedLayer.Params().Set(
+                name='pipe',
+                sub=_bn_dropout_model(),
+                num_partitions=2,
+                num_replicas=2,
+                partition_by='uniform',
+            ).Instantiate()
+    with tf.distribute.MirroredStrategy(['/cpu:0', '/cpu:1']).scope():
+        with pytest.raises(ValueError, match=r'mesh.strategy\(\).scope\(\)'):
+            _pipe(_bn_dropout_model(), 2, 'gpipe')
+
+
+def _keras_model(batch_norm):
+    keras.utils.set_random_seed(3)
+    middle = [keras.layers.BatchNormalization()] if batch_norm else []
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation='relu')]
+        + middle
+        + [keras.layers.Dense(16, activation='tanh'), keras.layers.Dense(3)]
+    )
+
+
+def _fit(model, optimizer, x, y):
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history['loss']
+
+
+@pytest.mark.parametrize(
+    'schedule, optimizer',
+    [('gpipe', lambda: keras.optimizers.SGD(0.1, momentum=0.9)), ('1f1b', keras.optimizers.Adam)],
+)
+def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimizer):
+    """GPipe built in mesh.strategy().scope(), compile/fit as usual: the history and every
+    weight of plain Keras on one device (1e-5), the slots beside their variables."""
+    x = np.random.RandomState(0).randn(64, 6).astype('float32')
+    y = np.arange(64) % 3
+    plain = _keras_model(batch_norm=False)
+    want = _fit(plain, optimizer(), x, y)
+    with mesh.strategy().scope():
+        model = GPipe(_keras_model(batch_norm=False), num_partitions=2, num_micro_batches=2,
+                      schedule=schedule)  # fmt: skip
+        got = _fit(model, optimizer(), x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    rows = model.pipeline.replica_devices
+    for v in model.optimizer.variables:
+        copies = getattr(v.value, 'values', None)
+        if copies is not None and v.shape.rank:  # slots, not the step counter
+            stage = 0 if _dev(copies[0].device) == _dev(rows[0][0]) else 1
+            assert [_dev(c.device) for c in copies] == [_dev(row[stage]) for row in rows], v.path
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh):
+    """Batch norm: each micro-batch's statistics in training, moving averages from the whole
+    global batch (both replicas): equal to one pipeline with R*M micro-batches."""
+    x = np.random.RandomState(1).randn(64, 6).astype('float32')
+    y = np.arange(64) % 3
+    ref = GPipe(_keras_model(batch_norm=True), num_partitions=2, num_micro_batches=4,
+                devices=list(mesh.devices[0]))  # fmt: skip
+    want = _fit(ref, keras.optimizers.SGD(0.1), x, y)
+    with mesh.strategy().scope():
+        model = GPipe(_keras_model(batch_norm=True), num_partitions=2, num_micro_batches=2)
+        got = _fit(model, keras.optimizers.SGD(0.1), x, y)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(model.get_weights(), ref.get_weights()):  # incl. the moving averages
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    bn = [w for w in model.weights if 'moving_mean' in w.path]
+    assert bn and float(np.abs(bn[0].numpy()).max()) > 0
+    for w in bn:
+        copies = [c.numpy() for c in w.value.values]
+        np.testing.assert_array_equal(copies[0], copies[1])
