@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_gpipe import hyperparams, model_registry
+from tf_gpipe import cluster, hyperparams, model_registry
 from tf_gpipe.trainer import checkpoints, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,3 +175,23 @@ def test_optimizer_slots_belong_to_their_variables(make):
         for i, s in enumerate(slots):
             for name, ov in s.items():
                 assert bool(np.any(ov.numpy() != 0)) == (i == moved), (i, name)
+
+
+def test_strategy_replicas_resume_and_train_as_one_pipeline(k2_run, tmp_path):
+    """R=2 x K=2 under mesh.strategy() with M=1 (R*M = the K=2 run's M=2), restored from that
+    run's step-2 checkpoint: its step 3 (dropout included) equals the K=2 run's step 3."""
+    logdir, ckpt, at_2, at_3 = k2_run
+    mesh = cluster.DeviceMesh.from_local(num_replicas=2, num_stages=2)
+    p = _params('task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=1')
+    p.task.train.max_steps = 3
+    t = trainer.Trainer(p, str(tmp_path))
+    with mesh.strategy().scope():
+        t.Build()
+    assert t.strategy is mesh.strategy()
+    t.named_checkpoint.Restore(ckpt)
+    assert int(t.global_step.numpy()) == 2
+    for name, value in _weights(t).items():
+        np.testing.assert_array_equal(value, at_2[name], err_msg=name)
+    t.Train()
+    for name, value in _weights(t).items():
+        np.testing.assert_allclose(value, at_3[name], rtol=1e-5, atol=1e-6, err_msg=name)

@@ -248,3 +248,8 @@ def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh):
     for w in bn:
         copies = [c.numpy() for c in w.value.values]
         np.testing.assert_array_equal(copies[0], copies[1])
+
+
+def test_too_few_devices_for_the_mesh_names_the_fix():
+    with pytest.raises(ValueError, match=r'need 8 devices; this process has 4.*logical_cpus\(8\)'):
+        cluster.DeviceMesh.from_local(num_replicas=4, num_stages=2)

@@ -68,16 +68,21 @@ def test_train_eval_resume(tmp_path):
     accuracy = _scalars(f'{logdir}/eval', 'accuracy')
     assert accuracy[0][0] == 40 and accuracy[0][1] > 0.3
 
+    # Resumed under 2 data-parallel replicas (a MirroredStrategy over 2 x 2 logical CPUs).
     more = _trainer(
         f'--model={MODEL}',
         f'--logdir={logdir}',
         '--num_logical_cpus=4',
+        '--num_replicas=2',
         '--max_steps=50',
         f'--params_override={fast}',
     )
     assert more.returncode == 0, more.stderr[-3000:]
+    assert 'Data parallel under MirroredStrategy' in more.stderr
     assert 'ckpt-40 (step 40)' in more.stderr and 'Training from step 40 to 50' in more.stderr
     assert os.path.exists(f'{logdir}/checkpoints/ckpt-50.index')
+    losses = _scalars(f'{logdir}/train', 'loss')
+    assert [s for s, _ in losses][-1] == 50 and losses[-1][1] < 0.5 * losses[0][1], losses
 
 
 def test_inspect_and_errors(tmp_path):

@@ -168,11 +168,17 @@ class DeviceMesh:
 
 
 def _reshape(names, num_replicas, num_stages, where):
-    need = num_replicas * num_stages
+    need = num_replicas * max(num_stages, 1)
     if num_stages < 1 or len(names) < need:
+        more = (
+            f' Create more: cluster.logical_cpus({need}) before TF initialises (CPU), or '
+            'virtual GPUs.'
+            if where == 'this process'
+            else ''
+        )
         raise ValueError(
-            f'{num_replicas} replicas x {max(num_stages, 1)} stages need '
-            f'{num_replicas * max(num_stages, 1)} devices; {where} has {len(names)}.'
+            f'{num_replicas} replicas x {max(num_stages, 1)} stages need {need} devices; '
+            f'{where} has {len(names)}.{more}'
         )
     return [names[r * num_stages : (r + 1) * num_stages] for r in range(num_replicas)]
 

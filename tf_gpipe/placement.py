@@ -93,7 +93,7 @@ def colocate_updates(optimizer):
         # With no tf.distribute strategy there is one replica and Keras's all-reduce is an
         # identity — but one IdentityN op over every gradient, placed on a single device
         # (a cluster's client): every gradient would travel there and back.
-        if not tf.distribute.has_strategy():
+        if not tf.distribute.has_strategy() or getattr(optimizer, '_tf_gpipe_summed', False):
             return list(grads_and_vars)
         return all_reduce(grads_and_vars)
 
@@ -103,6 +103,14 @@ def colocate_updates(optimizer):
     optimizer._apply_weight_decay = colocated_weight_decay
     optimizer._clip_gradients = colocated_clip
     optimizer._tf_gpipe_colocated = True
+    return optimizer
+
+
+def gradients_already_summed(optimizer):
+    """Marks `optimizer` (built by build_optimizer) as applying gradients that are already
+    summed over a strategy's replicas, so its own all-reduce is skipped."""
+    for opt in _chain(optimizer):
+        opt._tf_gpipe_summed = True
     return optimizer
 
 

@@ -45,6 +45,12 @@ TPU = flags.DEFINE_string('tpu', None, 'TPU name or address (cells on TPU cores;
 CLUSTER_SPEC = flags.DEFINE_string(
     'cluster_spec', None, "'worker=h0:2222,h1:2222' (or TF_CONFIG); stage k on worker k."
 )
+REPLICAS = flags.DEFINE_integer(
+    'num_replicas',
+    1,
+    'R data-parallel replicas of the K-stage pipeline under a tf.distribute MirroredStrategy '
+    "(mesh.strategy()) over this process's R x K devices; the batch is split across them.",
+)
 CONNECT_TIMEOUT = flags.DEFINE_float(
     'connect_timeout', 120.0, 'Seconds to wait for every worker of the cluster to answer.'
 )
@@ -76,6 +82,13 @@ def _connect():
     if TPU.value:
         mesh = cluster.DeviceMesh.from_tpu(cluster.tpu_device_assignment(1))
         return cluster.use_mesh(mesh), None
+    if REPLICAS.value > 1:
+        if CLUSTER_SPEC.value or os.environ.get('TF_CONFIG'):
+            raise ValueError(
+                "--num_replicas > 1 runs the replicas on this process's devices; with a TF "
+                'cluster set task.pipeline.num_replicas (one client over the workers) instead.'
+            )
+        return _local_strategy_scope(REPLICAS.value), None
     if CLUSTER_SPEC.value:
         spec = cluster_spec.parse(CLUSTER_SPEC.value)
     else:
@@ -93,6 +106,15 @@ def _connect():
     mesh = cluster.DeviceMesh.from_cluster(spec)
     logging.info('Connected to the cluster; %s', mesh)
     return cluster.use_mesh(mesh), (spec, servers)
+
+
+def _local_strategy_scope(num_replicas):
+    """mesh.strategy().scope() for R replicas x K stages of this process's devices."""
+    p = _model_params()
+    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    mesh = cluster.DeviceMesh.from_local(num_replicas=num_replicas, num_stages=stages)
+    logging.info('Data parallel under %s: %s', type(mesh.strategy()).__name__, mesh)
+    return mesh.strategy().scope()
 
 
 def _for_this_command(error):

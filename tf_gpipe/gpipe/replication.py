@@ -38,6 +38,24 @@ def shard(structure, num_replicas, num_micro_batches, batch_dim, first_devices):
     return out
 
 
+def split_for_replicas(structure, num_replicas, num_micro_batches, batch_dim=0):
+    """The rows of each of R replicas under a tf.distribute strategy: replica r gets global
+    micro-batches r*M .. r*M+M-1 of R*M (what `shard` gives in-graph replica r), so that its
+    pipeline numbers them as one pipeline with R*M micro-batches would."""
+    size = microbatch.batch_size(structure, batch_dim)
+    if isinstance(size, int) and size < num_replicas * num_micro_batches:
+        raise ValueError(
+            f'A batch of {size} cannot feed {num_replicas} replicas x {num_micro_batches} '
+            f'micro-batches: use a batch of at least {num_replicas * num_micro_batches}, or '
+            'fewer replicas or micro-batches.'
+        )
+    sizes = microbatch.sizes(size, num_replicas * num_micro_batches)
+    totals = [
+        sum(sizes[r * num_micro_batches : (r + 1) * num_micro_batches]) for r in range(num_replicas)
+    ]
+    return microbatch.split_sizes(structure, totals, batch_dim)
+
+
 def sum_over_replicas(per_replica_sums, per_replica_variables, scale=None):
     """All-reduce: every replica's copy of a variable gets the sum over replicas (times scale).
 

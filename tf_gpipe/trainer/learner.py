@@ -5,7 +5,7 @@ import math
 import keras
 import tensorflow as tf
 
-from tf_gpipe import hyperparams, placement
+from tf_gpipe import distribute, hyperparams, placement
 from tf_gpipe.nested_map import NestedMap
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam', 'rmsprop')
@@ -82,6 +82,8 @@ class Learner:
     def Build(self, variables):
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
+        # Prepare sums the replicas' gradients (before L2 and clipping): not the optimizer again.
+        placement.gradients_already_summed(self.optimizer)
 
     def Apply(self, grads, variables, regularized=(), loss=None):
         """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate[, finite]).
@@ -90,16 +92,40 @@ class Learner:
         finite (a NaN/Inf in any gradient makes the norm non-finite), so a diverged step
         changes neither weights nor optimizer state; `finite` says whether it ran.
         """
+        grads, stats = self.Prepare(grads, variables, regularized)
+
+        def apply():
+            self.Update(grads, variables)
+            return tf.constant(True)
+
+        if loss is None:
+            apply()
+        else:
+            stats.finite = tf.math.is_finite(loss) & tf.math.is_finite(stats.grad_norm)
+            tf.cond(stats.finite, apply, lambda: tf.constant(False))
+        return stats
+
+    def Prepare(self, grads, variables, regularized=()):
+        """(gradients to apply, NestedMap(grad_norm, learning_rate)): L2 added, clipped.
+
+        Inside `strategy.run` the replicas' shares are first summed by the strategy's
+        collective, so L2 and clipping act on the global batch's gradient, as on one device.
+        """
         p = self.params
         reg = {v.ref() for v in regularized} if p.l2_regularizer_weight else set()
         # Each gradient's work on its variable's device (on a TF cluster, unplaced, the client
         # would pull every gradient); only one scalar per gradient meets for the global norm.
         devices = [v.device for v in variables]
-        new_grads = []
+        dense = []
         for g, v in zip(grads, variables):
             with tf.device(v.device):
-                g = tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v)
-                if v.ref() in reg:
+                dense.append(tf.convert_to_tensor(g) if g is not None else tf.zeros_like(v))
+        if distribute.in_replica_context():
+            dense = distribute.all_reduce_sum(dense)
+        new_grads = []
+        for g, v in zip(dense, variables):
+            if v.ref() in reg:
+                with tf.device(v.device):
                     g += p.l2_regularizer_weight * v
             new_grads.append(g)
         grads = new_grads
@@ -107,15 +133,8 @@ class Learner:
         if p.clip_gradient_norm:
             grads = placement.clip_by_global_norm(grads, p.clip_gradient_norm, grad_norm, devices)
         lr = self.schedule(self.optimizer.iterations)
-        stats = NestedMap(grad_norm=grad_norm, learning_rate=lr)
+        return grads, NestedMap(grad_norm=grad_norm, learning_rate=lr)
 
-        def apply():
-            self.optimizer.apply_gradients(zip(grads, variables))
-            return tf.constant(True)
-
-        if loss is None:
-            apply()
-        else:
-            stats.finite = tf.math.is_finite(loss) & tf.math.is_finite(grad_norm)
-            tf.cond(stats.finite, apply, lambda: tf.constant(False))
-        return stats
+    def Update(self, grads, variables):
+        """The optimizer's update with prepared (already summed) gradients."""
+        self.optimizer.apply_gradients(zip(grads, variables))

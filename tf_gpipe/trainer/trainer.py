@@ -11,8 +11,8 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf_gpipe import fprop_context, hyperparams
-from tf_gpipe.gpipe import PipelinedLayer, partition
+from tf_gpipe import distribute, fprop_context, hyperparams
+from tf_gpipe.gpipe import PipelinedLayer, partition, replication
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.trainer import checkpoints, checks
 
@@ -114,7 +114,10 @@ class Trainer:
             os.path.join(self.logdir, 'checkpoints'),
             max_to_keep=p.task.train.max_checkpoints_to_keep,
         )
-        self._train_step = tf.function(self._TrainStep)
+        # Built inside mesh.strategy().scope(): data parallelism by that strategy.
+        self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        train_step = self._TrainStep if self.strategy is None else self._DistributedTrainStep
+        self._train_step = tf.function(train_step)
         self._eval_step = tf.function(self._EvalStep)
         self._built = True
 
@@ -134,6 +137,55 @@ class Trainer:
         self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(stats.finite), tf.int64))
         self.global_step.assign_add(1)
         return NestedMap(metrics=out.metrics, num_examples=out.num_examples, loss=out.loss, **stats)
+
+    def _DistributedTrainStep(self):
+        """_TrainStep with the strategy's R replicas: each runs its pipeline on its rows of the
+        batch inside strategy.run; the strategy's collective sums their gradients (before L2
+        and clipping); the update runs in a second strategy.run, skipped as a whole when the
+        global loss or gradient norm is not finite (a synchronisation point may not sit inside
+        a tf.cond within strategy.run)."""
+        strategy, pipe = self.strategy, self.params.task.pipeline
+        step = self.global_step.read_value()
+        with tf.name_scope('input'):
+            batch = self.train_input.GetBatch(step)
+        pieces = replication.split_for_replicas(
+            batch, strategy.num_replicas_in_sync, pipe.num_micro_batches
+        )
+        local = strategy.experimental_distribute_values_from_function(
+            lambda ctx: pieces[ctx.replica_id_in_sync_group]
+        )
+
+        def replica_step(local_batch):
+            with fprop_context.scope(step=step, training=True):
+                out, network_grads = self.task.ComputeGradients(local_batch)
+            by_ref = {
+                v.ref(): g for v, g in zip(self.task.network.trainable_variables, network_grads)
+            }
+            grads = [by_ref.get(v.ref()) for v in self.variables]
+            grads, stats = self.learner.Prepare(grads, self.variables, self.regularized)
+            loss = distribute.all_reduce_sum(out.loss)  # the shares make the global mean
+            stats.finite = tf.math.is_finite(loss) & tf.math.is_finite(stats.grad_norm)
+            # Metrics: the replicas' means weighted by their examples.
+            n = tf.cast(out.num_examples, tf.float32)
+            total = distribute.all_reduce_sum(n)
+            metrics = out.metrics.Transform(
+                lambda m: distribute.all_reduce_sum(tf.cast(m, tf.float32) * n) / total
+            )
+            return grads, NestedMap(metrics=metrics, loss=loss, num_examples=total, **stats)
+
+        grads, out = strategy.run(replica_step, (local,))
+        out = tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], out)
+
+        def apply():
+            strategy.run(lambda g: self.learner.Update(g, self.variables), (grads,))
+            return tf.constant(True)
+
+        tf.cond(out.finite, apply, lambda: tf.constant(False))
+        self.task.PostTrainingStepUpdate()  # cross-replica: batch norm pooled over replicas
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(out.finite), tf.int64))
+        self.global_step.assign_add(1)
+        out.num_examples = tf.cast(out.num_examples, tf.int64)
+        return out
 
     def _EvalStep(self, index):
         batch = self.test_input.GetBatch(index)
@@ -167,7 +219,7 @@ class Trainer:
                     f'trying the older {older}.' if older else 'no older checkpoint is left.',
                 )
                 continue
-            logging.info('Restored %s (step %d).', path, int(self.global_step))
+            logging.info('Restored %s (step %d).', path, int(self.global_step.numpy()))
             return path
         if paths:
             raise RuntimeError(
@@ -175,7 +227,7 @@ class Trainer:
                 'Move the directory away to start afresh.'
             )
         rules = self.params.task.train.init_from_checkpoint_rules
-        if rules and int(self.global_step) == 0:
+        if rules and int(self.global_step.numpy()) == 0:
             loaded = checkpoints.WarmStart(self.named_checkpoint.named, rules)
             self.named_checkpoint.SyncReplicas()
             logging.info(
@@ -197,7 +249,7 @@ class Trainer:
         self.Restore()
         tp = self.params.task.train
         writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'train'))
-        step = int(self.global_step)
+        step = int(self.global_step.numpy())
         last, start, start_step, first = {}, time.time(), step, step + 1
         logging.info('Training from step %d to %d.', step, tp.max_steps)
         if step < tp.max_steps and not self._train_step.experimental_get_tracing_count():
@@ -206,7 +258,7 @@ class Trainer:
         with _StopSignals() as stop:
             while step < tp.max_steps and not stop.signal:
                 out = self._train_step()
-                step = int(self.global_step)
+                step = int(self.global_step.numpy())
                 if traced_at is None:
                     traced_at = time.time()
                     logging.info('First step done in %.1f s (tracing included).', traced_at - start)
@@ -222,7 +274,7 @@ class Trainer:
                         learning_rate=float(out.learning_rate),
                         steps_per_sec=steps_per_sec,
                         examples_per_sec=examples_per_sec,
-                        nonfinite_steps=float(self.nonfinite_steps),
+                        nonfinite_steps=float(self.nonfinite_steps.numpy()),
                     )
                     with writer.as_default(step=step):
                         for name, value in last.items():
@@ -268,7 +320,7 @@ class Trainer:
                 step,
                 float(out.loss),
                 float(out.grad_norm),
-                int(self.nonfinite_steps),
+                int(self.nonfinite_steps.numpy()),
             )
             return
         raise FloatingPointError(
@@ -282,7 +334,7 @@ class Trainer:
     def Evaluate(self):
         """Metrics averaged over task.eval.steps test batches; written to logdir/eval."""
         self.Build()
-        if int(self.global_step) == 0 and self.Restore() is None:
+        if int(self.global_step.numpy()) == 0 and self.Restore() is None:
             raise RuntimeError(
                 f'No checkpoint in {self.logdir}/checkpoints to evaluate; train first.'
             )
@@ -292,13 +344,13 @@ class Trainer:
             for k, v in self._eval_step(tf.constant(i, tf.int64)).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / n
         writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'eval'))
-        with writer.as_default(step=int(self.global_step)):
+        with writer.as_default(step=int(self.global_step.numpy())):
             for k, v in totals.items():
                 tf.summary.scalar(k, v)
         writer.flush()
         logging.info(
             'eval at step %d: %s',
-            int(self.global_step),
+            int(self.global_step.numpy()),
             '  '.join(f'{k} {v:.4f}' for k, v in sorted(totals.items())),
         )
         return totals
