@@ -69,3 +69,23 @@ def test_keras_cut_after_example_names_real_resnet50_layers():
     names = re.findall(r"'([^']+)'", sentence.group(1))
     resnet = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
     assert names and set(names) <= {layer.name for layer in resnet.layers}, names
+
+
+def test_strategy_example_trains_data_x_pipeline():
+    block = next(b for b in _python_blocks() if 'mesh.strategy().scope()' in b)
+    setup = (  # the user's model and data; the CPU is split first, as the example says
+        'from tf_gpipe import cluster\ncluster.logical_cpus(4)\nimport keras, numpy as np\n'
+        'keras_model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, '
+        "activation='relu'), keras.layers.Dense(16, activation='relu'), "
+        "keras.layers.Dense(2, activation='softmax')])\n"
+        'x = np.random.RandomState(0).randn(256, 8).astype("float32")\n'
+        'y = (x.sum(1) > 0).astype("int32")\n'
+    )
+    check = (
+        '\nprint([[c.device[-5:] for c in w.value.values] for w in model.trainable_weights])\n'
+        "print('loss', model.evaluate(x, y, verbose=0))\n"
+    )
+    result = _run(setup + block + check)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "['CPU:0', 'CPU:2']" in result.stdout and "['CPU:1', 'CPU:3']" in result.stdout
+    assert 0 < float(result.stdout.split('loss ')[-1]) < 1, result.stdout
