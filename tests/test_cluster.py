@@ -10,8 +10,10 @@ from tf_gpipe import cluster
 
 
 def test_logical_cpus_is_idempotent_and_refuses_a_different_count():
-    # conftest split the CPU into 4 before TF initialised.
-    assert len(cluster.logical_cpus(4)) == 4
+    # conftest split the CPU into 4 before TF initialised; logical_cpus itself does not start
+    # TF's context (a multi-worker strategy must be made first), listing devices does.
+    assert cluster.logical_cpus(4) == [f'/device:CPU:{i}' for i in range(4)]
+    assert [d.name for d in tf.config.list_logical_devices('CPU')] == cluster.logical_cpus(4)
     with pytest.raises(
         RuntimeError, match=r'already initialised with 4 .*cluster.logical_cpus\(8\)'
     ):

@@ -2,6 +2,8 @@
 (a MirroredStrategy). Replica r's cell k lives and runs on mesh[r][k]; the strategy's collectives
 sum the gradients; the result is one pipeline with R*M micro-batches on one row of devices."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -201,6 +203,11 @@ def _fit(model, optimizer, x, y):
     return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history['loss']
 
 
+def DATA():
+    x = np.random.RandomState(0).randn(64, 6).astype('float32')
+    return x, np.arange(64) % 3
+
+
 @pytest.mark.parametrize(
     'schedule, optimizer',
     [('gpipe', lambda: keras.optimizers.SGD(0.1, momentum=0.9)), ('1f1b', keras.optimizers.Adam)],
@@ -208,8 +215,7 @@ def _fit(model, optimizer, x, y):
 def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimizer):
     """GPipe built in mesh.strategy().scope(), compile/fit as usual: the history and every
     weight of plain Keras on one device (1e-5), the slots beside their variables."""
-    x = np.random.RandomState(0).randn(64, 6).astype('float32')
-    y = np.arange(64) % 3
+    x, y = DATA()
     plain = _keras_model(batch_norm=False)
     want = _fit(plain, optimizer(), x, y)
     with mesh.strategy().scope():
@@ -253,3 +259,64 @@ def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh):
 def test_too_few_devices_for_the_mesh_names_the_fix():
     with pytest.raises(ValueError, match=r'need 8 devices; this process has 4.*logical_cpus\(8\)'):
         cluster.DeviceMesh.from_local(num_replicas=4, num_stages=2)
+
+
+def test_two_worker_processes_under_multi_worker_mirrored_strategy(tmp_path):
+    """Two loopback worker processes x 2 logical CPUs, one replica each (cell k on the worker's
+    CPU k), every worker running the same trainer: two Adam steps of the tiny LM (dropout
+    included) end with the weights of one process training K=2 with R*M micro-batches."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.test_checkpoints import _params, _weights
+    from tf_gpipe import local_cluster
+    from tf_gpipe.trainer import trainer
+
+    steps = 'task.pipeline.num_partitions=2; task.train.max_steps=2'
+    ports = ','.join(map(str, local_cluster.free_ports(2)))
+    script = os.path.join(os.path.dirname(__file__), 'multi_worker_train.py')
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    env.pop('TF_CONFIG', None)
+    runs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                script,
+                str(task),
+                ports,
+                str(tmp_path / f'w{task}'),
+                f'{steps}; task.pipeline.num_micro_batches=1',
+            ],  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for task in (0, 1)
+    ]
+    try:
+        errors = [run.communicate(timeout=240)[1] for run in runs]
+    finally:
+        for run in runs:
+            run.kill()
+    for run, err in zip(runs, errors):
+        assert run.returncode == 0, err[-3000:]
+    one = trainer.Trainer(_params(f'{steps}; task.pipeline.num_micro_batches=2'), str(tmp_path))
+    with cluster.use_mesh(cluster.DeviceMesh.from_local(num_stages=2)):
+        one.Build()
+    one.Train()
+    want = _weights(one)
+    for task in (0, 1):
+        got = np.load(tmp_path / f'w{task}' / 'weights.npz')
+        assert sorted(got.files) == sorted(want)
+        for name, value in want.items():
+            # atol 1e-5: attention's key projection gets a gradient that is zero in exact
+            # arithmetic (rounding noise, summed in another order across workers), which Adam
+            # turns into a step of the learning rate's size (~1e-3) either way.
+            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+        with open(tmp_path / f'w{task}' / 'devices.json') as f:
+            devices = json.load(f)
+        places = {(s.task, s.device_index) for d in devices.values() for s in
+                  map(tf.DeviceSpec.from_string, d)}  # fmt: skip
+        assert places == {(task, 0), (task, 1)}, places

@@ -11,14 +11,16 @@ def logical_cpus(n):
     """Splits the CPU into n logical devices; returns their names. Call before TF initialises.
 
     Idempotent: calling it again with the same n is fine. A different n after TF has
-    initialised raises (TF fixes its devices once), naming what to do.
+    initialised raises (TF fixes its devices once), naming what to do. It does not start TF's
+    context itself, so a multi-worker strategy can still be made afterwards.
     """
     if not isinstance(n, int) or n < 1:
         raise ValueError(f'logical_cpus needs a positive int, got {n!r}.')
     cpu = tf.config.list_physical_devices('CPU')[0]
     current = tf.config.get_logical_device_configuration(cpu)
+    names = [f'/device:CPU:{i}' for i in range(n)]
     if current is not None and len(current) == n:
-        return [d.name for d in tf.config.list_logical_devices('CPU')]
+        return names
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
@@ -32,7 +34,8 @@ def logical_cpus(n):
             f'be split into {n}. Call cluster.logical_cpus({n}) before anything else touches '
             'TensorFlow (first thing in main, or in a pytest conftest).'
         ) from e
-    return [d.name for d in tf.config.list_logical_devices('CPU')]
+    # Not listed (listing starts TF's context; a MultiWorkerMirroredStrategy must come first).
+    return names
 
 
 def local_devices():

@@ -2,7 +2,8 @@
 rows, and the placement of a pipeline's stage k on column k of every replica.
 
 `mesh.strategy()` (cluster.py) calls `strategy_for(mesh)`: a MirroredStrategy over the stage-0
-device of every replica. Inside its `scope()`, a pipeline creates cell k's variables under
+device of every replica, or for a mesh of worker tasks a MultiWorkerMirroredStrategy (one
+replica per worker; each worker runs the same program). Inside its `scope()`, a pipeline creates cell k's variables under
 `stage_variables(k)`, which puts replica r's copy on mesh[r][k]; inside `strategy.run`, replica r
 runs its cells on row r (`replica_row`). Gradients and batch-norm statistics are then reduced by
 the strategy's own collectives (CollectiveReduceV2), never by an all-reduce of ours.
@@ -15,6 +16,7 @@ import tensorflow as tf
 
 # Each strategy made by strategy_for, and the mesh it serves.
 _MESHES = weakref.WeakKeyDictionary()
+_BY_LAYOUT = {}
 
 
 class _StageColumn:
@@ -27,25 +29,56 @@ class _StageColumn:
 
 
 def strategy_for(mesh):
-    """A tf.distribute strategy whose R replicas are the rows of `mesh` (made once per mesh)."""
+    """A tf.distribute strategy whose R replicas are the rows of `mesh` (made once per mesh):
+    MirroredStrategy for this process's devices, MultiWorkerMirroredStrategy for a mesh whose
+    row r is worker task r's devices (this process being one of those workers)."""
     found = getattr(mesh, '_strategy', None)
     if found is not None:
         return found
-    remote = [d for d in mesh.devices.reshape(-1) if tf.DeviceSpec.from_string(d).job not in
-              (None, 'localhost')]  # fmt: skip
-    if remote:
+    # One strategy per device layout and process: two strategies over the same devices would
+    # number their collectives alike, and one's all-reduce could meet the other's.
+    layout = tuple(mesh.devices.reshape(-1)) + (mesh.num_replicas,)
+    if layout in _BY_LAYOUT:
+        mesh._strategy, mesh._local_rows = _BY_LAYOUT[layout]
+        return mesh._strategy
+    specs = [tf.DeviceSpec.from_string(d) for d in mesh.devices.reshape(-1)]
+    if any(s.device_type == 'TPU' for s in specs):
         raise NotImplementedError(
-            f'mesh.strategy() for devices of a TF cluster ({remote[0]}, ...) is not built yet: '
-            'train a cluster mesh with num_replicas on the pipeline (one client), or one '
-            'local mesh per process.'
+            'mesh.strategy() for TPU meshes is not built yet: use the pipeline with '
+            'cluster.use_mesh(mesh) and num_replicas=R.'
         )
-    kinds = {tf.DeviceSpec.from_string(d).device_type for d in mesh.devices.reshape(-1)}
-    if 'TPU' in kinds:
-        raise NotImplementedError('mesh.strategy() for TPU meshes is not built yet.')
-    strategy = tf.distribute.MirroredStrategy(devices=[row[0] for row in mesh.devices])
-    mesh._strategy = strategy
+    if all(s.job in (None, 'localhost') for s in specs):
+        strategy = tf.distribute.MirroredStrategy(devices=[row[0] for row in mesh.devices])
+        local_rows = list(range(mesh.num_replicas))
+    else:
+        strategy, local_rows = _multi_worker(mesh)
+    mesh._strategy, mesh._local_rows = strategy, local_rows
     _MESHES[strategy] = mesh
+    _BY_LAYOUT[layout] = strategy, local_rows
     return strategy
+
+
+def _multi_worker(mesh):
+    """MultiWorkerMirroredStrategy over the workers of TF_CONFIG, one replica per task."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    rows = []
+    for r, row in enumerate(mesh.devices):
+        tasks = {(s.job, s.task) for s in map(tf.DeviceSpec.from_string, row)}
+        if len(tasks) != 1:
+            raise ValueError(
+                f'For a multi-worker strategy each replica is one worker task with its K '
+                f'devices; replica {r} spans {sorted(tasks)}. Build the mesh with '
+                'DeviceMesh.from_cluster(num_replicas=W, num_stages=K, devices_per_task=K).'
+            )
+        rows.append(tasks.pop())
+    if not resolver.task_type or (resolver.task_type, resolver.task_id) not in rows:
+        raise ValueError(
+            f'mesh.strategy() for a mesh of worker tasks runs on each of those workers (every '
+            f'worker runs the same program, TF_CONFIG naming its task); this process is '
+            f'{resolver.task_type!r} {resolver.task_id!r}, not one of {rows}.'
+        )
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(cluster_resolver=resolver)
+    return strategy, [rows.index((resolver.task_type, resolver.task_id))]
 
 
 def current_mesh():
@@ -70,8 +103,8 @@ def current_mesh():
 
 @contextlib.contextmanager
 def stage_variables(mesh, stage):
-    """Variables created inside get one copy per replica, replica r's on mesh[r][stage]."""
-    column = _StageColumn(mesh.devices[:, stage])
+    """Variables created inside get one copy per (local) replica, replica r's on mesh[r][stage]."""
+    column = _StageColumn(mesh.devices[mesh._local_rows, stage])
 
     def creator(next_creator, **kwargs):
         if kwargs.get('colocate_with') is None:

@@ -110,10 +110,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         self._replica_cells, self._runners = [], []
         copies = 1 if self._mesh is not None else len(self._replica_devices)
         for r, row in enumerate(self._replica_devices[:copies]):
+            # Under a multi-worker strategy a worker creates only on its own devices.
+            build_row = row if self._mesh is None else self._Row()
             cells = []
             for i, cp in enumerate(cell_params):
                 name = f'cell{i}' if r == 0 else f'replica{r}_cell{i}'
-                with tf.device(row[i % k]), self._StageVariables(i % k):
+                with tf.device(build_row[i % k]), self._StageVariables(i % k):
                     cells.append(self.CreateChild(name, cp))
             self._replica_cells.append(cells)
             # A softmax in the last cell may read the embedding of the first (tied weights).
@@ -131,7 +133,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         self._replica_variables = [
             [v for c in cells for v in c.trainable_variables] for cells in self._replica_cells
         ]
-        with tf.device(self._devices[0]), self._StageVariables(0):
+        with tf.device(self._Row()[0]), self._StageVariables(0):
             self.CreateVariable(
                 'step',
                 [],
@@ -252,8 +254,9 @@ class PipelinedLayer(base_layer.BaseLayer):
 
     @property
     def devices(self):
-        """Replica 0's K devices."""
-        return list(self._devices)
+        """Replica 0's K devices (under a strategy: the running replica's, or the first local
+        replica's in cross-replica context)."""
+        return list(self._devices if self._mesh is None else self._Row())
 
     @property
     def cell_devices(self):
@@ -324,7 +327,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         strategy.run this is (replica 0's devices in cross-replica context)."""
         if self._mesh is None:
             return list(range(len(self._replica_devices)))
-        return [distribute.replica_index()]
+        if distribute.in_replica_context():
+            return [distribute.replica_index()]
+        return self._mesh._local_rows[:1]
 
     def _Executor(self, r, num_micro_batches, step, sums, input_grads, head=None):
         runners = list(self._runners[r])

@@ -19,6 +19,29 @@ _SUFFIX = '/.ATTRIBUTES/VARIABLE_VALUE'
 OPTIMIZER_NAME_KEY = 'optimizer_name'
 
 
+class _OptimizerName(tf.train.experimental.PythonState):
+    """The optimizer's name, saved as a string (no variable: a multi-worker strategy would
+    broadcast a variable's initial value, which its collectives cannot do for strings)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def serialize(self):
+        return self.value
+
+    def deserialize(self, string_value):
+        self.value = string_value.decode() if isinstance(string_value, bytes) else string_value
+
+
+def _optimizer_name(reader):
+    """The optimizer name a checkpoint was written with (either way it was saved), or None."""
+    for key in (OPTIMIZER_NAME_KEY + '/.ATTRIBUTES/py_state', OPTIMIZER_NAME_KEY + _SUFFIX):
+        if reader.has_tensor(key):
+            value = reader.get_tensor(key)
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None
+
+
 def _key(var):
     """A hashable identity for a tf.Variable or a Keras variable (which has no ref())."""
     return var.ref() if hasattr(var, 'ref') else id(var)
@@ -140,7 +163,7 @@ class NamedCheckpoint:
             self._pairs += [(self.slots[k], copy_slots[k]) for k in self.slots if k in copy_slots]
         _check_complete(task, optimizer, self.named, self.slots, self._pairs)
         self.optimizer_name = optimizer_name
-        self._name_var = tf.Variable(optimizer_name, trainable=False, name='optimizer_name')
+        self._name_var = _OptimizerName(optimizer_name)
         self.checkpoint = tf.train.Checkpoint(
             task=_tree({k[len('task/') :]: v for k, v in self.named.items()}),
             optimizer=_tree(self.slots),
@@ -182,10 +205,8 @@ class NamedCheckpoint:
                     f'Checkpoint {path}: {name} has shape {saved[name]}, the model {shape}. '
                     'Is it a checkpoint of another model size?'
                 )
-        key = OPTIMIZER_NAME_KEY + _SUFFIX
-        if reader.has_tensor(key):
-            theirs = reader.get_tensor(key)
-            theirs = theirs.decode() if isinstance(theirs, bytes) else str(theirs)
+        theirs = _optimizer_name(reader)
+        if theirs is not None:
             if theirs != self.optimizer_name:
                 raise RuntimeError(
                     f"Checkpoint {path} was written with optimizer '{theirs}', this model uses "
@@ -222,7 +243,7 @@ def Inspect(path):
     """(step or None, optimizer name or None, [(name, shape, dtype)]) of checkpoint `path`."""
     reader = tf.train.load_checkpoint(path)
     dtypes = reader.get_variable_to_dtype_map()
-    rows, step, optimizer = [], None, None
+    rows, step, optimizer = [], None, _optimizer_name(reader)
     for key, shape in sorted(reader.get_variable_to_shape_map().items()):
         if not key.endswith(_SUFFIX):
             continue
@@ -230,8 +251,6 @@ def Inspect(path):
         if name == 'global_step':
             step = int(reader.get_tensor(key))
         elif name == OPTIMIZER_NAME_KEY:
-            value = reader.get_tensor(key)
-            optimizer = value.decode() if isinstance(value, bytes) else str(value)
             continue
         rows.append((name, tuple(shape), dtypes[key].name))
     return step, optimizer, rows
