@@ -262,9 +262,10 @@ def test_too_few_devices_for_the_mesh_names_the_fix():
 
 
 def test_two_worker_processes_under_multi_worker_mirrored_strategy(tmp_path):
-    """Two loopback worker processes x 2 logical CPUs, one replica each (cell k on the worker's
-    CPU k), every worker running the same trainer: two Adam steps of the tiny LM (dropout
-    included) end with the weights of one process training K=2 with R*M micro-batches."""
+    """Two loopback worker processes x 2 logical CPUs, each running the same trainer command
+    (`--multi_worker`, TF_CONFIG naming its task): one replica per worker, cell k on the
+    worker's CPU k. Two Adam steps of the tiny LM (dropout included) end with the weights of one
+    process training K=2 with R*M micro-batches."""
     import json
     import subprocess
     import sys
@@ -273,50 +274,53 @@ def test_two_worker_processes_under_multi_worker_mirrored_strategy(tmp_path):
     from tf_gpipe import local_cluster
     from tf_gpipe.trainer import trainer
 
-    steps = 'task.pipeline.num_partitions=2; task.train.max_steps=2'
-    ports = ','.join(map(str, local_cluster.free_ports(2)))
-    script = os.path.join(os.path.dirname(__file__), 'multi_worker_train.py')
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-    env.pop('TF_CONFIG', None)
-    runs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                script,
-                str(task),
-                ports,
-                str(tmp_path / f'w{task}'),
-                f'{steps}; task.pipeline.num_micro_batches=1',
-            ],  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+    steps = 'task.pipeline.num_partitions=2; task.train.max_steps=2; task.num_layers=2'
+    workers = [f'127.0.0.1:{p}' for p in local_cluster.free_ports(2)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = []
+    for task in (0, 1):
+        config = {'cluster': {'worker': workers}, 'task': {'type': 'worker', 'index': task}}
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2', TF_CONFIG=json.dumps(config))
+        command = [
+            sys.executable,
+            os.path.join(root, 'tools', 'trainer.py'),
+            '--model=lm.synthetic.TransformerLmTiny',
+            f'--logdir={tmp_path / "mw"}',
+            '--multi_worker',
+            '--num_logical_cpus=2',
+            f'--params_override={steps}; task.pipeline.num_micro_batches=1',
+        ]
+        runs.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=root,
+            )  # fmt: skip
         )
-        for task in (0, 1)
-    ]
     try:
-        errors = [run.communicate(timeout=240)[1] for run in runs]
+        logs = [run.communicate(timeout=240)[1] for run in runs]
     finally:
         for run in runs:
             run.kill()
-    for run, err in zip(runs, errors):
-        assert run.returncode == 0, err[-3000:]
+    for task, (run, log) in enumerate(zip(runs, logs)):
+        assert run.returncode == 0, log[-3000:]
+        assert 'MultiWorkerMirroredStrategy, 2 replicas; trainable variable copies' in log, log
+        placed = log.split('trainable variable copies in this process: ')[1].splitlines()[0]
+        assert sorted(p.split(' on ')[1] for p in placed.split(', ')) == [
+            f'/job:worker/replica:0/task:{task}/device:CPU:{i}' for i in (0, 1)
+        ], placed
     one = trainer.Trainer(_params(f'{steps}; task.pipeline.num_micro_batches=2'), str(tmp_path))
     with cluster.use_mesh(cluster.DeviceMesh.from_local(num_stages=2)):
         one.Build()
     one.Train()
-    want = _weights(one)
-    for task in (0, 1):
-        got = np.load(tmp_path / f'w{task}' / 'weights.npz')
-        assert sorted(got.files) == sorted(want)
-        for name, value in want.items():
+    for logdir in (tmp_path / 'mw', tmp_path / 'mw' / 'worker_1'):  # the chief's, worker 1's
+        reader = tf.train.load_checkpoint(str(logdir / 'checkpoints'))
+        for name, value in _weights(one).items():
             # atol 1e-5: attention's key projection gets a gradient that is zero in exact
             # arithmetic (rounding noise, summed in another order across workers), which Adam
             # turns into a step of the learning rate's size (~1e-3) either way.
-            np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
-        with open(tmp_path / f'w{task}' / 'devices.json') as f:
-            devices = json.load(f)
-        places = {(s.task, s.device_index) for d in devices.values() for s in
-                  map(tf.DeviceSpec.from_string, d)}  # fmt: skip
-        assert places == {(task, 0), (task, 1)}, places
+            got = reader.get_tensor(name + '/.ATTRIBUTES/VARIABLE_VALUE')
+            np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5, err_msg=name)

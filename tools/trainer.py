@@ -51,6 +51,13 @@ REPLICAS = flags.DEFINE_integer(
     'R data-parallel replicas of the K-stage pipeline under a tf.distribute MirroredStrategy '
     "(mesh.strategy()) over this process's R x K devices; the batch is split across them.",
 )
+MULTI_WORKER = flags.DEFINE_bool(
+    'multi_worker',
+    False,
+    'Every worker runs this same command (TF_CONFIG names its task): one data-parallel replica '
+    'per worker, its K local devices as the stages, under a MultiWorkerMirroredStrategy. '
+    'Without it, TF_CONFIG / --cluster_spec make this process the one client of remote workers.',
+)
 CONNECT_TIMEOUT = flags.DEFINE_float(
     'connect_timeout', 120.0, 'Seconds to wait for every worker of the cluster to answer.'
 )
@@ -82,6 +89,8 @@ def _connect():
     if TPU.value:
         mesh = cluster.DeviceMesh.from_tpu(cluster.tpu_device_assignment(1))
         return cluster.use_mesh(mesh), None
+    if MULTI_WORKER.value:
+        return _multi_worker_scope(), None
     if REPLICAS.value > 1:
         if CLUSTER_SPEC.value or os.environ.get('TF_CONFIG'):
             raise ValueError(
@@ -115,6 +124,35 @@ def _local_strategy_scope(num_replicas):
     mesh = cluster.DeviceMesh.from_local(num_replicas=num_replicas, num_stages=stages)
     logging.info('Data parallel under %s: %s', type(mesh.strategy()).__name__, mesh)
     return mesh.strategy().scope()
+
+
+def _multi_worker_scope():
+    """MultiWorkerMirroredStrategy's scope over TF_CONFIG's workers, K local devices each."""
+    spec, task = cluster_spec.from_tf_config()
+    if spec is None or not task or task.get('type') != 'worker':
+        raise ValueError(
+            "--multi_worker needs TF_CONFIG naming the cluster and this process's task, e.g. "
+            '{"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", '
+            '"index": 0}}, and the same command on every worker.'
+        )
+    p = _model_params()
+    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    mesh = cluster.DeviceMesh.from_cluster(
+        spec, num_replicas=len(spec['worker']), num_stages=stages, devices_per_task=stages
+    )
+    logging.info('Worker %d of %d under MultiWorkerMirroredStrategy: %s', task['index'],
+                 len(spec['worker']), mesh)  # fmt: skip
+    return mesh.strategy().scope()
+
+
+def _logdir():
+    """--logdir; under --multi_worker, worker i > 0 keeps its own copy in <logdir>/worker_i
+    (every worker takes part in saving; the chief's is the one to read)."""
+    if not MULTI_WORKER.value:
+        return LOGDIR.value
+    _, task = cluster_spec.from_tf_config()
+    index = int(task.get('index', 0))
+    return LOGDIR.value if index == 0 else os.path.join(LOGDIR.value, f'worker_{index}')
 
 
 def _for_this_command(error):
@@ -175,7 +213,7 @@ def main(argv):
             sys.exit('trainer: interrupted while waiting for the cluster; nothing was started.')
         finally:
             signal.signal(signal.SIGINT, previous)
-        t = trainer.Trainer(p, LOGDIR.value)
+        t = trainer.Trainer(p, _logdir())
         if mesh_scope is not None:
             with mesh_scope:
                 t.Build()

@@ -3,6 +3,7 @@
 Library code: tools/trainer.py parses the flags and calls `Trainer`.
 """
 
+import collections
 import os
 import signal
 import threading
@@ -116,6 +117,18 @@ class Trainer:
         )
         # Built inside mesh.strategy().scope(): data parallelism by that strategy.
         self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        if self.strategy is not None:
+            counts = collections.Counter(
+                c.device
+                for v in self.variables
+                for c in self.strategy.experimental_local_results(v)
+            )
+            logging.info(
+                '%s, %d replicas; trainable variable copies in this process: %s',
+                _strategy_name(self.strategy),
+                self.strategy.num_replicas_in_sync,
+                ', '.join(f'{n} on {d}' for d, n in sorted(counts.items())),
+            )
         train_step = self._TrainStep if self.strategy is None else self._DistributedTrainStep
         self._train_step = tf.function(train_step)
         self._eval_step = tf.function(self._EvalStep)
@@ -419,6 +432,14 @@ def _progress(step, first, max_steps, seconds_since_first):
     left = (max_steps - step) * seconds_since_first / (step - first)
     minutes, seconds = divmod(int(round(left)), 60)
     return f'{done}  ETA {minutes}m{seconds:02d}s' if minutes else f'{done}  ETA {seconds}s'
+
+
+def _strategy_name(strategy):
+    """The public name of a tf.distribute strategy (MultiWorkerMirroredStrategy's class is
+    called CollectiveAllReduceStrategy)."""
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return 'MultiWorkerMirroredStrategy'
+    return type(strategy).__name__
 
 
 def _check_logdir(logdir):
