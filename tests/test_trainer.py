@@ -99,18 +99,8 @@ def test_inspect_and_errors(tmp_path):
     typo = _trainer('--model=lm.synthetic.TransformerLmTni', '--mode=inspect_params')
     assert typo.returncode == 1
     assert "Did you mean 'lm.synthetic.TransformerLmTiny'" in typo.stderr
-    bad = _trainer(
-        f'--model={MODEL}',
-        '--mode=inspect_params',
-        '--params_override=task.pipeline.num_micro_batch=4',
-    )
-    assert bad.returncode == 1 and "did you mean 'num_micro_batches'" in bad.stderr
-    wrong_type = _trainer(
-        f'--model={MODEL}',
-        '--mode=inspect_params',
-        '--params_override=task.pipeline.num_micro_batches=many',
-    )
-    assert wrong_type.returncode == 1 and 'expects an int' in wrong_type.stderr
+    # A misspelt or mistyped override takes the same one-line exit as the zero below (their
+    # messages: test_hyperparams.py::test_apply_overrides, ::test_from_text_type_errors_and_typos).
     zero = _trainer(
         f'--model={MODEL}',
         '--mode=inspect_model',
@@ -124,7 +114,7 @@ def test_inspect_and_errors(tmp_path):
     )
     assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
     assert 'cluster.logical_cpus' not in few.stderr
-    for spec, why in (('127.0.0.1:2222', 'is not job=host:port'), ('worker=h0', "'h0' is not")):
+    for spec, why in (('worker=h0', "'h0' is not"),):  # all malformed ones: test_cluster_spec
         malformed = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', f'--cluster_spec={spec}')
         assert malformed.returncode == 1 and why in malformed.stderr, malformed.stderr[-2000:]
         assert "Expected e.g. --cluster_spec='worker=127.0.0.1:2222" in malformed.stderr
