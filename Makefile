@@ -25,7 +25,7 @@ demo: $(STAMP)
 # filtered from stderr so that pytest's summary stays the last line; any other stderr is
 # shown. pytest's exit 5 (no tests collected) is a failure.
 TF_NOISE := ^(WARNING: All log messages before absl|I0000 |E0000 )
-PYTEST := TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q tests
+PYTEST := TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q --durations=30 tests
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -26,6 +26,7 @@ _SLOW_FIRST = (
     'test_keras_applications_batch_norms_see_micro_batches',
     'test_efficientnet_b0_with_dropout_and_stochastic_depth',
     'test_keras_resnet_example_runs',
+    'test_two_worker_processes_under_multi_worker_mirrored_strategy',
 )
 
 
