@@ -54,6 +54,10 @@ class DeviceMesh:
         self.devices = np.array(devices, dtype=object)
         if self.devices.ndim != 2 or self.devices.size == 0:
             raise ValueError('DeviceMesh needs a non-empty [replicas, stages] array of names.')
+        # The replicas (rows) this process runs: all of them, except under a multi-worker
+        # strategy (its own task's row); set by strategy().
+        self.local_replicas = list(range(self.devices.shape[0]))
+        self._strategy = None
 
     # ---- constructors ------------------------------------------------------------------------
 

@@ -3,10 +3,11 @@ rows, and the placement of a pipeline's stage k on column k of every replica.
 
 `mesh.strategy()` (cluster.py) calls `strategy_for(mesh)`: a MirroredStrategy over the stage-0
 device of every replica, or for a mesh of worker tasks a MultiWorkerMirroredStrategy (one
-replica per worker; each worker runs the same program). Inside its `scope()`, a pipeline creates cell k's variables under
-`stage_variables(k)`, which puts replica r's copy on mesh[r][k]; inside `strategy.run`, replica r
-runs its cells on row r (`replica_row`). Gradients and batch-norm statistics are then reduced by
-the strategy's own collectives (CollectiveReduceV2), never by an all-reduce of ours.
+replica per worker; each worker runs the same program). Inside its `scope()`, a pipeline
+creates cell k's variables under `stage_variables(mesh, k)`, which puts replica r's copy on
+mesh[r][k]; inside `strategy.run`, replica r (`replica_index()`) runs its cells on row r.
+Gradients and batch-norm statistics are reduced by the strategy's own collectives
+(CollectiveReduceV2), never by an all-reduce of ours.
 """
 
 import contextlib
@@ -14,7 +15,7 @@ import weakref
 
 import tensorflow as tf
 
-# Each strategy made by strategy_for, and the mesh it serves.
+# Each strategy made by strategy_for -> the mesh it serves; a device layout -> its strategy.
 _MESHES = weakref.WeakKeyDictionary()
 _BY_LAYOUT = {}
 
@@ -32,14 +33,13 @@ def strategy_for(mesh):
     """A tf.distribute strategy whose R replicas are the rows of `mesh` (made once per mesh):
     MirroredStrategy for this process's devices, MultiWorkerMirroredStrategy for a mesh whose
     row r is worker task r's devices (this process being one of those workers)."""
-    found = getattr(mesh, '_strategy', None)
-    if found is not None:
-        return found
+    if mesh._strategy is not None:
+        return mesh._strategy
     # One strategy per device layout and process: two strategies over the same devices would
     # number their collectives alike, and one's all-reduce could meet the other's.
     layout = tuple(mesh.devices.reshape(-1)) + (mesh.num_replicas,)
     if layout in _BY_LAYOUT:
-        mesh._strategy, mesh._local_rows = _BY_LAYOUT[layout]
+        mesh._strategy, mesh.local_replicas = _BY_LAYOUT[layout]
         return mesh._strategy
     specs = [tf.DeviceSpec.from_string(d) for d in mesh.devices.reshape(-1)]
     if any(s.device_type == 'TPU' for s in specs):
@@ -52,7 +52,7 @@ def strategy_for(mesh):
         local_rows = list(range(mesh.num_replicas))
     else:
         strategy, local_rows = _multi_worker(mesh)
-    mesh._strategy, mesh._local_rows = strategy, local_rows
+    mesh._strategy, mesh.local_replicas = strategy, local_rows
     _MESHES[strategy] = mesh
     _BY_LAYOUT[layout] = strategy, local_rows
     return strategy
@@ -104,7 +104,7 @@ def current_mesh():
 @contextlib.contextmanager
 def stage_variables(mesh, stage):
     """Variables created inside get one copy per (local) replica, replica r's on mesh[r][stage]."""
-    column = _StageColumn(mesh.devices[mesh._local_rows, stage])
+    column = _StageColumn(mesh.devices[mesh.local_replicas, stage])
 
     def creator(next_creator, **kwargs):
         if kwargs.get('colocate_with') is None:

@@ -329,7 +329,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             return list(range(len(self._replica_devices)))
         if distribute.in_replica_context():
             return [distribute.replica_index()]
-        return self._mesh._local_rows[:1]
+        return self._mesh.local_replicas[:1]
 
     def _Executor(self, r, num_micro_batches, step, sums, input_grads, head=None):
         runners = list(self._runners[r])
