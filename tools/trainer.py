@@ -147,7 +147,7 @@ def _multi_worker_scope():
 
 def _logdir():
     """--logdir; under --multi_worker, worker i > 0 keeps its own copy in <logdir>/worker_i
-    (every worker takes part in saving; the chief's is the one to read)."""
+    (every worker takes part in saving; all restore from the chief's, the same step)."""
     if not MULTI_WORKER.value:
         return LOGDIR.value
     _, task = cluster_spec.from_tf_config()
@@ -213,7 +213,7 @@ def main(argv):
             sys.exit('trainer: interrupted while waiting for the cluster; nothing was started.')
         finally:
             signal.signal(signal.SIGINT, previous)
-        t = trainer.Trainer(p, _logdir())
+        t = trainer.Trainer(p, _logdir(), restore_from=LOGDIR.value)
         if mesh_scope is not None:
             with mesh_scope:
                 t.Build()

@@ -63,9 +63,12 @@ def ModelParams(task_p, train_input_p, test_input_p):
 class Trainer:
     """Builds a model from params and trains, evaluates or inspects it under `logdir`."""
 
-    def __init__(self, model_params, logdir):
+    def __init__(self, model_params, logdir, restore_from=None):
+        """`restore_from`: another run directory to resume from (a multi-worker run's chief,
+        so that every worker restores the same step); default `logdir`."""
         self.params = model_params.Copy().Freeze()
         self.logdir = logdir
+        self.restore_from = restore_from or logdir
         self._built = False
 
     # ---- building ----------------------------------------------------------------------------
@@ -115,6 +118,11 @@ class Trainer:
             os.path.join(self.logdir, 'checkpoints'),
             max_to_keep=p.task.train.max_checkpoints_to_keep,
         )
+        self._restore_manager = self.manager
+        if os.path.abspath(self.restore_from) != os.path.abspath(self.logdir):
+            self._restore_manager = tf.train.CheckpointManager(
+                self.checkpoint, os.path.join(self.restore_from, 'checkpoints'), max_to_keep=None
+            )
         # Built inside mesh.strategy().scope(): data parallelism by that strategy.
         self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         if self.strategy is not None:
@@ -213,7 +221,7 @@ class Trainer:
         a checkpoint, task.train.init_from_checkpoint_rules warm-start the model.
         """
         self.Build()
-        paths = list(reversed(self.manager.checkpoints))
+        paths = list(reversed(self._restore_manager.checkpoints))
         for i, path in enumerate(paths):
             try:
                 self.named_checkpoint.Restore(path)
@@ -236,7 +244,7 @@ class Trainer:
             return path
         if paths:
             raise RuntimeError(
-                f'No checkpoint in {self.manager.directory} can be read ({len(paths)} tried). '
+                f'No checkpoint in {self._restore_manager.directory} can be read ({len(paths)} tried). '
                 'Move the directory away to start afresh.'
             )
         rules = self.params.task.train.init_from_checkpoint_rules
