@@ -18,7 +18,9 @@ demo: $(STAMP)
 	$(PY) tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
 	  --num_logical_cpus=4 --mode=train_and_eval
 
-# Lint, then the suite on 2 workers, then the measurements (marked `idle`) alone: under the
+# Lint, then the suite on 3 workers (on 2 cores: a worker waiting on a trainer or TF-worker
+# process it started leaves its core to the others), then the measurements (marked `idle`)
+# alone: under the
 # other worker's load a memory peak moves by a micro-batch's activations and a trace stamp by
 # several milliseconds.
 # TF's C++ start-up lines (printed before it reads TF_CPP_MIN_LOG_LEVEL, flushed at exit) are
@@ -29,7 +31,7 @@ PYTEST := TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q --duratio
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	for run in "-n 2 -m 'not idle'" "-m idle"; do \
+	for run in "-n 3 -m 'not idle'" "-m idle"; do \
 	  eval $(PYTEST) $$run 2>.pytest-stderr; \
 	  rc=$$?; grep -v -E '$(TF_NOISE)' .pytest-stderr >&2; rm -f .pytest-stderr; \
 	  if [ $$rc -eq 5 ]; then echo 'pytest collected no tests: failing'; exit 1; fi; \

@@ -235,9 +235,10 @@ def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimize
                                rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
-def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh):
+def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh, tmp_path):
     """Batch norm: each micro-batch's statistics in training, moving averages from the whole
-    global batch (both replicas): equal to one pipeline with R*M micro-batches."""
+    global batch (both replicas): equal to one pipeline with R*M micro-batches. Saved, the model
+    loads outside the strategy (one replica) and inside it (two) with the same weights."""
     x = np.random.RandomState(1).randn(64, 6).astype('float32')
     y = np.arange(64) % 3
     ref = GPipe(_keras_model(batch_norm=True), num_partitions=2, num_micro_batches=4,
@@ -254,6 +255,17 @@ def test_keras_batch_norm_under_the_strategy_pools_the_global_batch(mesh):
     for w in bn:
         copies = [c.numpy() for c in w.value.values]
         np.testing.assert_array_equal(copies[0], copies[1])
+    path = str(tmp_path / 'model.keras')
+    model.save(path)
+    one = keras.models.load_model(path)
+    with mesh.strategy().scope():
+        two = keras.models.load_model(path)
+    assert int(two.optimizer.iterations.numpy()) == int(model.optimizer.iterations.numpy()) == 8
+    for loaded in (one, two):
+        for a, b in zip(loaded.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(one.predict(x, verbose=0), ref.predict(x, verbose=0), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
 
 
 def test_too_few_devices_for_the_mesh_names_the_fix():

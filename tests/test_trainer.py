@@ -41,12 +41,13 @@ def test_train_eval_resume(tmp_path):
         'task.train.log_interval_steps=10; task.train.save_interval_steps=20; '
         'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=2'  # less to trace
     )
-    run = _trainer(
+    run = _trainer(  # evaluates at step 40 in the same process (--mode=eval alone: below)
         f'--model={MODEL}',
         f'--logdir={logdir}',
         '--num_logical_cpus=4',
         '--max_steps=40',
-        f'--params_override={fast}',
+        '--mode=train_and_eval',
+        f'--params_override={fast}; task.eval.interval_steps=40',
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert 'steps/s' in run.stderr and 'examples/s' in run.stderr
@@ -63,8 +64,6 @@ def test_train_eval_resume(tmp_path):
     for tag in ('accuracy', 'learning_rate', 'grad_norm', 'steps_per_sec', 'examples_per_sec'):
         assert _scalars(f'{logdir}/train', tag), tag
 
-    ev = _trainer(f'--model={MODEL}', f'--logdir={logdir}', '--num_logical_cpus=4', '--mode=eval')
-    assert ev.returncode == 0, ev.stderr[-3000:]
     accuracy = _scalars(f'{logdir}/eval', 'accuracy')
     assert accuracy[0][0] == 40 and accuracy[0][1] > 0.3
 
