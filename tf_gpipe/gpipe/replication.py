@@ -17,11 +17,7 @@ def shard(structure, num_replicas, num_micro_batches, batch_dim, first_devices):
     """Per replica: its micro-batches (a list, possibly shorter than M or empty for a batch
     smaller than R*M). Replica r's rows are split off on `first_devices[r]`."""
     size = microbatch.batch_size(structure, batch_dim)
-    pieces = microbatch.num_pieces(size, num_replicas * num_micro_batches)
-    sizes = microbatch.sizes(size, pieces)
-    per_replica = [
-        sizes[r * num_micro_batches : (r + 1) * num_micro_batches] for r in range(num_replicas)
-    ]
+    per_replica = _micro_batch_sizes(size, num_replicas, num_micro_batches)
     if num_replicas == 1:
         shards = [structure]
     else:
@@ -49,11 +45,15 @@ def split_for_replicas(structure, num_replicas, num_micro_batches, batch_dim=0):
             f'micro-batches: use a batch of at least {num_replicas * num_micro_batches}, or '
             'fewer replicas or micro-batches.'
         )
-    sizes = microbatch.sizes(size, num_replicas * num_micro_batches)
-    totals = [
-        sum(sizes[r * num_micro_batches : (r + 1) * num_micro_batches]) for r in range(num_replicas)
-    ]
+    totals = [sum(s) for s in _micro_batch_sizes(size, num_replicas, num_micro_batches)]
     return microbatch.split_sizes(structure, totals, batch_dim)
+
+
+def _micro_batch_sizes(size, num_replicas, num_micro_batches):
+    """Per replica, the sizes of its micro-batches: replica r's are global micro-batches
+    r*M .. r*M+M-1 of min(R*M, N) (a list shorter than M, or empty, for a small batch)."""
+    sizes = microbatch.sizes(size, microbatch.num_pieces(size, num_replicas * num_micro_batches))
+    return [sizes[r * num_micro_batches : (r + 1) * num_micro_batches] for r in range(num_replicas)]
 
 
 def sum_over_replicas(per_replica_sums, per_replica_variables, scale=None):
