@@ -146,18 +146,27 @@ class Trainer:
         step = self.global_step.read_value()
         with tf.name_scope('input'):  # made on the host (the client of a TF cluster)
             batch = self.train_input.GetBatch(step)
+        out, grads = self._Gradients(batch, step)
+        # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
+        stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
+        self._EndStep(stats.finite)
+        return NestedMap(metrics=out.metrics, num_examples=out.num_examples, loss=out.loss, **stats)
+
+    def _Gradients(self, batch, step):
+        """(task output, gradients lined up with self.variables) of the pipeline's step."""
         # Every schedule: each micro-batch's loss on the last stage, the backward pass started
         # there as the schedule says; gradients summed on each variable's device.
         with fprop_context.scope(step=step, training=True):
             out, network_grads = self.task.ComputeGradients(batch)
         by_ref = {v.ref(): g for v, g in zip(self.task.network.trainable_variables, network_grads)}
-        grads = [by_ref.get(v.ref()) for v in self.variables]
-        # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
-        stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
+        return out, [by_ref.get(v.ref()) for v in self.variables]
+
+    def _EndStep(self, finite):
+        """Once per step, after the update: batch-norm averages (pooled over replicas in
+        cross-replica context), the non-finite count, the step."""
         self.task.PostTrainingStepUpdate()
-        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(stats.finite), tf.int64))
+        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
         self.global_step.assign_add(1)
-        return NestedMap(metrics=out.metrics, num_examples=out.num_examples, loss=out.loss, **stats)
 
     def _DistributedTrainStep(self):
         """_TrainStep with the strategy's R replicas: each runs its pipeline on its rows of the
@@ -177,12 +186,7 @@ class Trainer:
         )
 
         def replica_step(local_batch):
-            with fprop_context.scope(step=step, training=True):
-                out, network_grads = self.task.ComputeGradients(local_batch)
-            by_ref = {
-                v.ref(): g for v, g in zip(self.task.network.trainable_variables, network_grads)
-            }
-            grads = [by_ref.get(v.ref()) for v in self.variables]
+            out, grads = self._Gradients(local_batch, step)
             grads, stats = self.learner.Prepare(grads, self.variables, self.regularized)
             loss = distribute.all_reduce_sum(out.loss)  # the shares make the global mean
             stats.finite = tf.math.is_finite(loss) & tf.math.is_finite(stats.grad_norm)
@@ -202,9 +206,7 @@ class Trainer:
             return tf.constant(True)
 
         tf.cond(out.finite, apply, lambda: tf.constant(False))
-        self.task.PostTrainingStepUpdate()  # cross-replica: batch norm pooled over replicas
-        self.nonfinite_steps.assign_add(tf.cast(tf.logical_not(out.finite), tf.int64))
-        self.global_step.assign_add(1)
+        self._EndStep(out.finite)
         out.num_examples = tf.cast(out.num_examples, tf.int64)
         return out
 
