@@ -360,12 +360,13 @@ def test_keras_applications_unchanged_at_k4_step_like_plain_keras(name, size):
     assert all(np.any(g != 0) for g, w in zip(got, want) if np.any(w != 0))
 
 
-@pytest.mark.parametrize('name, m', [('ResNet50', 2), ('MobileNetV2', 2)])
+@pytest.mark.parametrize('name, m', [('MobileNetV2', 2)])
 def test_keras_applications_batch_norms_see_micro_batches(name, m):
     """M>1: every batch norm normalises each micro-batch with its own statistics, as in the
     paper; the gradients equal those of the plain model applied micro-batch by micro-batch.
-    (ResNet50 at M=2: micro-batches of 4 leave its 1x1 last stage too ill-conditioned for even
-    the plain model to agree with itself closely.)"""
+    (ResNet50 is not checked here: at 32x32 its 1x1 last stage leaves the plain model too
+    ill-conditioned to agree with itself, so the bound was loose; it cost a minute of the suite.
+    MobileNetV2's batch norms go through the same path and give a sharp check.)"""
     x = tf.random.stateless_normal([16, 32, 32, 3], [3, 4])
     y = np.arange(16) % 10
     loss = keras.losses.SparseCategoricalCrossentropy()
@@ -411,7 +412,7 @@ def test_efficientnet_b0_with_dropout_and_stochastic_depth():
     history = pipe.fit(x, y, batch_size=8, epochs=3, verbose=0).history['loss']
     assert history[-1] < history[0], history
     plain.set_weights(pipe.get_weights())  # the trained weights (and moving averages)
-    got, want = pipe.predict(x, verbose=0), plain.predict(x, verbose=0)
+    got, want = pipe.predict(x, verbose=0), plain(x, training=False).numpy()
     assert np.abs(want).max() > 1e-2
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 

@@ -91,10 +91,16 @@ def test_benchmark_runs_on_two_workers():
             '--schedules=gpipe,zero_bubble',
             '--overhead_micro_batches=2',
             '--steps=1',
+            '--data_parallel',
             '--json',
         ]
     )
     (result,) = json.loads(out.splitlines()[-1])
+    # R=2 x K=1 under MultiWorkerMirroredStrategy beside R=1 x K=1 and the pipeline's K=2.
+    (dp,) = result['data_parallel']
+    assert dp['num_micro_batches'] == 2 and dp['runs'] == 1
+    assert dp['examples_per_s_r1'] == pytest.approx(64 / dp['seconds_r1'])
+    assert dp['speedup_r2'] == pytest.approx(dp['seconds_r1'] / dp['seconds_r2'])
     rows = {
         (r['schedule'], r['num_stages'], r['num_micro_batches']): r for r in result['throughput']
     }
@@ -105,6 +111,7 @@ def test_benchmark_runs_on_two_workers():
     # zero_bubble, B = W = F: K=2, M=2 runs in 7 units against 6 units of work per stage.
     assert rows[('zero_bubble', 2, 2)]['bubble_bound'] == pytest.approx(2 * 6 / 7)
     assert rows[('zero_bubble', 2, 2)]['speedup'] > 0
+    assert dp['pipeline_speedup_k2'] == rows[('gpipe', 2, 2)]['speedup']
     names = [r['name'] for r in result['overheads']]
     assert names[0] == 'plain sequence' and 'K=1 M=2 always' in names
 

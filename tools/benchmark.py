@@ -2,6 +2,7 @@
 
     python tools/benchmark.py                       # transformer and amoebanet, K in {1, 2}
     python tools/benchmark.py --families=fc --micro_batches=8 --json
+    python tools/benchmark.py --families=fc --micro_batches=1,4 --data_parallel  # R=2 x K=1 too
 
 Every stage is its own TF worker process on 127.0.0.1, pinned to one core (taskset, one
 intra-op thread); this process is the client, and every op of the step — input, cells, loss,
@@ -59,6 +60,13 @@ PARTITION_BY = flags.DEFINE_enum(
 KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default below).")
 BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+DATA_PARALLEL = flags.DEFINE_bool(
+    'data_parallel',
+    False,
+    'Also time data parallelism the tf.distribute way at each M: R=2 x K=1 (two single-core '
+    'processes under MultiWorkerMirroredStrategy, B/2 examples each) against R=1 x K=1 (one '
+    'such process), beside the pipeline R=1 x K=2 (see bench_replicas.py).',
+)
 ISOLATE = flags.DEFINE_bool(
     'isolate',
     True,
@@ -223,6 +231,7 @@ def measure(family):
     for r in rows:
         r['normalised'] = r['examples_per_s'] / base['examples_per_s']
     c = _config(family)
+    data_parallel = _data_parallel(family, micro, by) if DATA_PARALLEL.value else []
     return dict(
         family=family,
         knob=c['knob'],
@@ -240,7 +249,41 @@ def measure(family):
         ),
         throughput=rows,
         overheads=over,
+        data_parallel=data_parallel,
     )
+
+
+def _data_parallel(family, micro, pipeline_rows):
+    """Rows per M: R=1 and R=2 (K=1) step seconds and examples/s, R=2's speed-up over R=1
+    (within each run, then median and spread), and the pipeline's K=2 speed-up at that M."""
+    import bench_replicas
+
+    runs = bench_replicas.measure(
+        family, _config(family), micro, POLICY.value, STEPS.value, RUNS.value
+    )
+    batch = _config(family)['batch']
+    out = []
+    for m in micro:
+        rs = [r for r in runs if r['num_micro_batches'] == m]
+        r1 = float(np.median([r['seconds_r1'] for r in rs]))
+        r2 = float(np.median([r['seconds_r2'] for r in rs]))
+        ups = [r['seconds_r1'] / r['seconds_r2'] for r in rs]
+        pipe = pipeline_rows.get((SCHEDULES.value[0], 2, m), {})
+        out.append(
+            dict(
+                num_micro_batches=m,
+                runs=len(rs),
+                seconds_r1=r1,
+                seconds_r2=r2,
+                examples_per_s_r1=batch / r1,
+                examples_per_s_r2=batch / r2,
+                speedup_r2=float(np.median(ups)),
+                speedup_r2_spread=[min(ups), max(ups)],
+                pipeline_speedup_k2=pipe.get('speedup'),
+                pipeline_examples_per_s_k2=pipe.get('examples_per_s'),
+            )
+        )
+    return out
 
 
 def _bound(schedule, k, m):
@@ -296,6 +339,28 @@ def _print(result):
                     f'{r["bubble_bound"]:>7.2f}{r["efficiency"]:>7.2f}'
                 )
             print(line)
+    if result.get('data_parallel'):
+        print(
+            f'data parallelism vs pipeline on two single-core processes, K=1 or 2 (median of '
+            f'{result["data_parallel"][0]["runs"]} run(s) [min-max]). R=2 x K=1: two processes '
+            'under MultiWorkerMirroredStrategy, B/2 each, against R=1 x K=1 in one process; '
+            f'R=1 x K=2: the {result["schedules"][0]} rows above (a client driving two workers, '
+            'against K=1 on one of them)'
+        )
+        print(
+            f'{"M":>4}{"R1K1 ex/s":>11}{"R2K1 ex/s":>11}{"R2K1 speed-up":>15}{"[min-max]":>14}'
+            f'{"R1K2 ex/s":>11}{"R1K2 speed-up":>15}'
+        )
+        for r in result['data_parallel']:
+            lo, hi = r['speedup_r2_spread']
+            k2 = r['pipeline_speedup_k2']
+            k2_rate = r['pipeline_examples_per_s_k2']
+            print(
+                f'{r["num_micro_batches"]:>4}{r["examples_per_s_r1"]:>11.1f}'
+                f'{r["examples_per_s_r2"]:>11.1f}{r["speedup_r2"]:>15.2f}'
+                f'{f"[{lo:.2f}-{hi:.2f}]":>14}'
+                + (f'{k2_rate:>11.1f}{k2:>15.2f}' if k2 is not None else f'{"-":>11}{"-":>15}')
+            )
     if result['overheads']:
         print('overheads on one worker (step seconds, ratio to the plain sequence):')
         for r in result['overheads']:
