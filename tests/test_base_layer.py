@@ -169,3 +169,34 @@ def test_all_layers_and_post_training_step_update_recurse():
     assert seq.sub[1].vars.acc_count.numpy() == 2
     seq.PostTrainingStepUpdate()
     assert seq.sub[1].vars.acc_count.numpy() == 0
+
+
+class _Clipped(layers.FCLayer):
+    """An FProp that branches on a tensor's value: the layer asks for AutoGraph."""
+
+    _AUTOGRAPH = True
+
+    def FProp(self, inputs):
+        y = super().FProp(inputs)
+        if tf.reduce_max(y) > 1.0:  # a Python `if` on a tensor: needs AutoGraph in a graph
+            y = y / tf.reduce_max(y)
+        return y
+
+
+def test_autograph_opt_in_converts_fprop_even_in_a_step_traced_without_autograph():
+    """The trainer traces its step with autograph=False (converting every layer cost seconds);
+    a layer with _AUTOGRAPH = True still gets its tensor-valued `if` converted."""
+    layer = _Clipped.Params().Set(name='c', input_dim=4, output_dim=3).Instantiate()
+    x = 10.0 * tf.ones([2, 4])
+    want = layer.FProp(x)  # eagerly
+    got = tf.function(layer.FProp, autograph=False)(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert float(tf.reduce_max(got)) <= 1.0 + 1e-6
+    with pytest.raises(TypeError):  # without the opt-in, such code cannot be traced
+        tf.function(_branch, autograph=False)(x)
+
+
+def _branch(t):
+    if tf.reduce_max(t) > 1.0:
+        return t
+    return -t

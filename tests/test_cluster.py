@@ -103,3 +103,31 @@ def test_tpu_device_assignment_errors():
         cluster.tpu_device_assignment(3, topology=_topology())
     with pytest.raises(ValueError, match='need 16 TPU cores'):
         cluster.tpu_device_assignment(4, num_replicas=4, topology=_topology())
+
+
+def test_tpu_mesh_maps_stage_k_to_logical_core_k_of_every_replica():
+    """The TPUStrategy path as far as a CPU goes: replica r's stage k is logical core k (the
+    core TPUStrategy's experimental_logical_device(k) names in every replica); a K=2 replica
+    takes both cores of one chip (the stage boundary on the chip's own link)."""
+    from tf_gpipe import distribute
+
+    topology = _topology()
+    da = cluster.tpu_device_assignment(2, topology=topology)
+    mesh = cluster.DeviceMesh.from_tpu(da, job='worker')
+    for r in range(mesh.num_replicas):
+        chips = {tuple(da.coordinates(r, k)[:3]) for k in range(2)}
+        assert len(chips) == 1, chips  # both stages on one chip
+        for k in range(2):
+            assert distribute.stage_core(mesh, mesh.devices[r][k]) == k
+    assert distribute.stage_core(mesh, '/job:worker/task:9/device:TPU:0') is None
+    # Outside a TPU replica, a stage's ops are placed by device name as everywhere else.
+    with distribute.on('/device:CPU:1'):
+        assert tf.constant(1.0).device.endswith('CPU:1')
+    # The strategy needs the TPU the mesh was built for.
+    with pytest.raises(ValueError, match=r'cluster.tpu_mesh\(num_stages, tpu=NAME\)'):
+        mesh.strategy()
+
+
+def test_no_tpu_is_a_clear_error():
+    with pytest.raises(RuntimeError, match=r'No TPU answered for tpu=None \(Please provide a TPU'):
+        cluster.tpu_mesh(2)

@@ -117,6 +117,10 @@ def test_inspect_and_errors(tmp_path):
         malformed = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', f'--cluster_spec={spec}')
         assert malformed.returncode == 1 and why in malformed.stderr, malformed.stderr[-2000:]
         assert "Expected e.g. --cluster_spec='worker=127.0.0.1:2222" in malformed.stderr
+    # --tpu reaches the resolver; with no TPU here, a clear exit (TPUStrategy path: test_cluster).
+    tpu = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--tpu=local')
+    assert tpu.returncode == 1 and "No TPU answered for tpu='local'" in tpu.stderr, tpu.stderr
+    assert 'Run on a TPU VM with --tpu=local' in tpu.stderr and 'Traceback' not in tpu.stderr
 
 
 def test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works(tmp_path):

@@ -121,16 +121,21 @@ class BaseLayer(tf.Module):
     _SEED_CONTAINER = False
 
     # FProp is plain TF code (no Python control flow on tensors), so tf.function need not run
-    # AutoGraph over it: converting a deep model costs seconds per trace. A subclass whose FProp
-    # branches on tensor values sets this to True.
+    # AutoGraph over it: converting a deep model costs seconds per trace (the trainer traces its
+    # step without AutoGraph). A subclass whose FProp branches on tensor values sets this to
+    # True: its FProp and PostTrainingStepUpdate are converted once, here, wherever they run.
     _AUTOGRAPH = False
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if not cls._AUTOGRAPH:
-            for name in ('FProp', 'PostTrainingStepUpdate'):
-                if name in cls.__dict__:
-                    setattr(cls, name, tf.autograph.experimental.do_not_convert(cls.__dict__[name]))
+        for name in ('FProp', 'PostTrainingStepUpdate'):
+            if name in cls.__dict__:
+                fn = cls.__dict__[name]
+                if cls._AUTOGRAPH:
+                    fn = tf.autograph.to_graph(fn, recursive=True)
+                else:
+                    fn = tf.autograph.experimental.do_not_convert(fn)
+                setattr(cls, name, fn)
 
     @classmethod
     def Params(cls):

@@ -58,6 +58,7 @@ class DeviceMesh:
         # strategy (its own task's row); set by strategy().
         self.local_replicas = list(range(self.devices.shape[0]))
         self._strategy = None
+        self.tpu = None  # (resolver, DeviceAssignment) of a mesh of TPU cores (from_tpu)
 
     # ---- constructors ------------------------------------------------------------------------
 
@@ -106,10 +107,12 @@ class DeviceMesh:
         return cls(_reshape(names, num_replicas, num_stages, f"the cluster's job '{job_name}'"))
 
     @classmethod
-    def from_tpu(cls, device_assignment, job=None):
-        """[R, K] from a tf.tpu.experimental.DeviceAssignment (cores per replica = K)."""
+    def from_tpu(cls, device_assignment, job=None, resolver=None):
+        """[R, K] from a tf.tpu.experimental.DeviceAssignment: replica r's logical core k (its
+        stage k) at [r][k]. `resolver`, the TPU's cluster resolver, lets strategy() make the
+        TPUStrategy; `tpu_mesh` passes both."""
         da = device_assignment
-        return cls(
+        mesh = cls(
             [
                 [
                     da.tpu_device(replica=r, logical_core=k, job=job)
@@ -118,6 +121,8 @@ class DeviceMesh:
                 for r in range(da.num_replicas)
             ]
         )
+        mesh.tpu = (resolver, da)
+        return mesh
 
     def strategy(self):
         """The mesh's tf.distribute strategy (made once): replicas are its rows; pipelines built
@@ -190,16 +195,39 @@ def _reshape(names, num_replicas, num_stages, where):
     return [names[r * num_stages : (r + 1) * num_stages] for r in range(num_replicas)]
 
 
-def tpu_device_assignment(num_stages, num_replicas=None, topology=None):
+def tpu_mesh(num_stages, tpu=None, num_replicas=None):
+    """The mesh of a TPU: R replicas x K = num_stages cores each (R = all cores // K by
+    default). Connects to the TPU named `tpu` ('local' on a TPU VM, a name or grpc:// address
+    otherwise) and initialises it; `mesh.strategy()` is then a TPUStrategy whose replica r runs
+    stage k on its logical core k. A clear RuntimeError when no TPU answers."""
+    resolver, topology = _tpu_system(tpu)
+    da = tpu_device_assignment(num_stages, num_replicas, topology)
+    return DeviceMesh.from_tpu(da, job=resolver.get_job_name(), resolver=resolver)
+
+
+def _tpu_system(tpu):
+    """(resolver, topology) of the TPU `tpu`, connected and initialised."""
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=tpu)
+        tf.config.experimental_connect_to_cluster(resolver)
+        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (ValueError, RuntimeError, tf.errors.OpError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f'No TPU answered for tpu={tpu!r} ({first}). Run on a TPU VM with --tpu=local, or '
+            "pass the TPU's name or grpc:// address from a machine that can reach it."
+        ) from e
+    return resolver, topology
+
+
+def tpu_device_assignment(num_stages, num_replicas=None, topology=None, tpu=None):
     """A DeviceAssignment with K = num_stages cores per replica (R = all cores // K by default).
 
-    `topology` defaults to initialising the TPU system of the current cluster
+    `topology` defaults to initialising the TPU system named `tpu`
     (tf.tpu.experimental.initialize_tpu_system); pass one to plan without a TPU.
     """
     if topology is None:
-        resolver = tf.distribute.cluster_resolver.TPUClusterResolver()
-        tf.config.experimental_connect_to_cluster(resolver)
-        topology = tf.tpu.experimental.initialize_tpu_system(resolver)
+        _, topology = _tpu_system(tpu)
     cores = topology.num_tasks * topology.num_tpus_per_task
     if num_stages < 1 or cores % num_stages:
         raise ValueError(f'{cores} TPU cores cannot be cut into stages of {num_stages} cores.')

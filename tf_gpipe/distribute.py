@@ -2,10 +2,12 @@
 rows, and the placement of a pipeline's stage k on column k of every replica.
 
 `mesh.strategy()` (cluster.py) calls `strategy_for(mesh)`: a MirroredStrategy over the stage-0
-device of every replica, or for a mesh of worker tasks a MultiWorkerMirroredStrategy (one
-replica per worker; each worker runs the same program). Inside its `scope()`, a pipeline
-creates cell k's variables under `stage_variables(mesh, k)`, which puts replica r's copy on
-mesh[r][k]; inside `strategy.run`, replica r (`replica_index()`) runs its cells on row r.
+device of every replica, for a mesh of worker tasks a MultiWorkerMirroredStrategy (one
+replica per worker; each worker runs the same program), for a TPU mesh (`cluster.tpu_mesh`) a
+TPUStrategy with K cores per replica. Inside its `scope()`, a pipeline creates cell k's
+variables under `stage_variables(mesh, k)`, which puts replica r's copy on mesh[r][k] (on TPU:
+logical core k of every replica); inside `strategy.run`, replica r (`replica_index()`) runs its
+cells on row r, each stage's ops placed by `on(device)` (on TPU: by logical core).
 Gradients and batch-norm statistics are reduced by the strategy's own collectives
 (CollectiveReduceV2), never by an all-reduce of ours.
 """
@@ -43,11 +45,8 @@ def strategy_for(mesh):
         return mesh._strategy
     specs = [tf.DeviceSpec.from_string(d) for d in mesh.devices.reshape(-1)]
     if any(s.device_type == 'TPU' for s in specs):
-        raise NotImplementedError(
-            'mesh.strategy() for TPU meshes is not built yet: use the pipeline with '
-            'cluster.use_mesh(mesh) and num_replicas=R.'
-        )
-    if all(s.job in (None, 'localhost') for s in specs):
+        strategy, local_rows = _tpu(mesh), list(range(mesh.num_replicas))
+    elif all(s.job in (None, 'localhost') for s in specs):
         strategy = tf.distribute.MirroredStrategy(devices=[row[0] for row in mesh.devices])
         local_rows = list(range(mesh.num_replicas))
     else:
@@ -56,6 +55,18 @@ def strategy_for(mesh):
     _MESHES[strategy] = mesh
     _BY_LAYOUT[layout] = strategy, local_rows
     return strategy
+
+
+def _tpu(mesh):
+    """TPUStrategy over the mesh's device assignment: replica r's logical core k is [r][k]."""
+    resolver, assignment = mesh.tpu or (None, None)
+    if resolver is None:
+        raise ValueError(
+            'A TPU mesh makes its strategy from the TPU it was built for: use '
+            'cluster.tpu_mesh(num_stages, tpu=NAME), or DeviceMesh.from_tpu(assignment, '
+            'resolver=resolver).'
+        )
+    return tf.distribute.TPUStrategy(resolver, experimental_device_assignment=assignment)
 
 
 def _multi_worker(mesh):
@@ -104,6 +115,10 @@ def current_mesh():
 @contextlib.contextmanager
 def stage_variables(mesh, stage):
     """Variables created inside get one copy per (local) replica, replica r's on mesh[r][stage]."""
+    if mesh.tpu is not None:  # TPUStrategy: logical core `stage` of every replica
+        with mesh.strategy().extended.experimental_logical_device(stage):
+            yield
+        return
     column = _StageColumn(mesh.devices[mesh.local_replicas, stage])
 
     def creator(next_creator, **kwargs):
@@ -113,6 +128,40 @@ def stage_variables(mesh, stage):
 
     with tf.variable_creator_scope(creator):
         yield
+
+
+def stage_core(mesh, device):
+    """The stage (column) of `device` in a TPU mesh: the logical core that runs it in every
+    replica; None for a device outside the mesh."""
+    name = tf.DeviceSpec.from_string(device).to_string()
+    for row in mesh.devices:
+        for k, d in enumerate(row):
+            if tf.DeviceSpec.from_string(d).to_string() == name:
+                return k
+    return None
+
+
+def on(device):
+    """Where a stage's ops go: tf.device(device); inside a TPU replica (TPUStrategy places by
+    logical core, not by device name) that stage's logical core, or XLA's choice off the mesh."""
+    if device and in_replica_context():
+        mesh = _MESHES.get(tf.distribute.get_strategy())
+        if mesh is not None and mesh.tpu is not None:
+            core = stage_core(mesh, device)
+            if core is None:
+                return contextlib.nullcontext()
+            return mesh.strategy().extended.experimental_logical_device(core)
+    return tf.device(device)
+
+
+def tpu_replica_id():
+    """Inside a TPU replica: its id (a tensor: TPU replicas run one program); else None."""
+    if not in_replica_context():
+        return None
+    mesh = _MESHES.get(tf.distribute.get_strategy())
+    if mesh is None or mesh.tpu is None:
+        return None
+    return tf.distribute.get_replica_context().replica_id_in_sync_group
 
 
 def replica_index():

@@ -41,7 +41,12 @@ CHECKPOINT = flags.DEFINE_string(
 )
 MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
 CPUS = flags.DEFINE_integer('num_logical_cpus', None, 'Split the CPU into this many devices.')
-TPU = flags.DEFINE_string('tpu', None, 'TPU name or address (cells on TPU cores; untested here).')
+TPU = flags.DEFINE_string(
+    'tpu',
+    None,
+    "TPU to train on: 'local' on a TPU VM, else its name or grpc:// address. TPUStrategy, "
+    'K = task.pipeline.num_partitions cores per replica, R = cores // K (not run on hardware).',
+)
 CLUSTER_SPEC = flags.DEFINE_string(
     'cluster_spec', None, "'worker=h0:2222,h1:2222' (or TF_CONFIG); stage k on worker k."
 )
@@ -87,8 +92,7 @@ def _connect():
     import tensorflow as tf
 
     if TPU.value:
-        mesh = cluster.DeviceMesh.from_tpu(cluster.tpu_device_assignment(1))
-        return cluster.use_mesh(mesh), None
+        return _tpu_strategy_scope(), None
     if MULTI_WORKER.value:
         return _multi_worker_scope(), None
     if REPLICAS.value > 1:
@@ -123,6 +127,15 @@ def _local_strategy_scope(num_replicas):
     stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
     mesh = cluster.DeviceMesh.from_local(num_replicas=num_replicas, num_stages=stages)
     logging.info('Data parallel under %s: %s', type(mesh.strategy()).__name__, mesh)
+    return mesh.strategy().scope()
+
+
+def _tpu_strategy_scope():
+    """TPUStrategy's scope over the TPU --tpu names: K cores per replica, R = cores // K."""
+    p = _model_params()
+    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    mesh = cluster.tpu_mesh(stages, tpu=TPU.value)
+    logging.info('TPUStrategy, %d replicas x %d cores: %s', mesh.num_replicas, stages, mesh)
     return mesh.strategy().scope()
 
 

@@ -23,6 +23,7 @@ never cover more than one micro-batch at a time beyond the boundaries.
 
 import tensorflow as tf
 
+from tf_gpipe import distribute
 from tf_gpipe.gpipe import schedules, trace
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 
@@ -100,7 +101,7 @@ class Executor:
         for a in actions:
             s, m = a.stage, a.micro_batch
             runner = self.runners[s]
-            with tf.device(runner.device):
+            with distribute.on(runner.device):
                 x = self._Ordered(s, self._inputs.pop((s, m)))
                 y = runner.Forward(x, None, self.step, self._Mb(m), training=False)
             self._Done(s, y)
@@ -112,7 +113,7 @@ class Executor:
     # ---- actions -----------------------------------------------------------------------------
 
     def _Mb(self, m):
-        return tf.constant(self.seed_base + m, tf.int64)
+        return tf.cast(self.seed_base + m, tf.int64)
 
     def _Device(self, stage):
         return self.sched.device_of(stage)
@@ -128,7 +129,7 @@ class Executor:
         runner = self.runners[s]
         last = s == self.sched.num_stages - 1
         targets = self._targets.get(m) if last else None
-        with tf.device(runner.device):
+        with distribute.on(runner.device):
             x = self._Ordered(s, self._inputs[(s, m)])
             t0 = trace.start(x, runner.device)
             if (s, m) in self.kept_set:
@@ -168,7 +169,7 @@ class Executor:
         split = self.sched.split_backward
         want_x = s > 0 or self.input_grads
         runner = self.runners[s]
-        with tf.device(runner.device):
+        with distribute.on(runner.device):
             dy = self._Ordered(s, self._OutputGrads(s, m))
             x, kept = self._Stored(s, m, final=not split)
             t0 = trace.start(dy, runner.device)
@@ -200,7 +201,7 @@ class Executor:
         s, m = a.stage, a.micro_batch
         runner = self.runners[s]
         how, state = self._w_state.pop((s, m))
-        with tf.device(runner.device):
+        with distribute.on(runner.device):
             x, kept = self._Stored(s, m, final=True)
             if how == 'split':
                 uses, point_grads = state

@@ -11,6 +11,8 @@ dense sum, as in TF.
 
 import tensorflow as tf
 
+from tf_gpipe import distribute
+
 
 class GradientSums:
     """Per-variable sums of gradient contributions, each kept on its variable's device."""
@@ -36,7 +38,7 @@ class GradientSums:
             return None
         ref = variable.ref()
         self._variables.setdefault(ref, variable)
-        with tf.device(variable.device):
+        with distribute.on(variable.device):
             if isinstance(grad, tf.IndexedSlices):
                 prev = self._sparse.get(ref)
                 self._sparse[ref] = total = grad if prev is None else _concat(prev, grad)
@@ -62,7 +64,7 @@ class GradientSums:
         dense, sparse = self._dense.get(ref), self._sparse.get(ref)
         if dense is None and sparse is None:
             return None
-        with tf.device(variable.device):
+        with distribute.on(variable.device):
             if dense is not None and sparse is not None:
                 total = dense + tf.convert_to_tensor(sparse)
             else:
@@ -89,7 +91,7 @@ def add(grads, device):
     present = [g for g in grads if g is not None]
     if len(present) <= 1:
         return present[0] if present else None
-    with tf.device(device):
+    with distribute.on(device):
         if all(isinstance(g, tf.IndexedSlices) for g in present):
             total = present[0]
             for g in present[1:]:

@@ -115,7 +115,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             cells = []
             for i, cp in enumerate(cell_params):
                 name = f'cell{i}' if r == 0 else f'replica{r}_cell{i}'
-                with tf.device(build_row[i % k]), self._StageVariables(i % k):
+                with distribute.on(build_row[i % k]), self._StageVariables(i % k):
                     cells.append(self.CreateChild(name, cp))
             self._replica_cells.append(cells)
             # A softmax in the last cell may read the embedding of the first (tied weights).
@@ -133,7 +133,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         self._replica_variables = [
             [v for c in cells for v in c.trainable_variables] for cells in self._replica_cells
         ]
-        with tf.device(self._Row()[0]), self._StageVariables(0):
+        with distribute.on(self._Row()[0]), self._StageVariables(0):
             self.CreateVariable(
                 'step',
                 [],
@@ -297,7 +297,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             return tf.cast(ctx.step, tf.int64)
         if not ctx.training:
             return tf.constant(0, tf.int64)
-        with tf.device(self._Row()[0]):
+        with distribute.on(self._Row()[0]):
             return self.vars.step.assign_add(1) - 1
 
     def Schedule(self, num_micro_batches=None):
@@ -328,6 +328,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         if self._mesh is None:
             return list(range(len(self._replica_devices)))
         if distribute.in_replica_context():
+            if self._mesh.tpu is not None:
+                return [0]  # TPU: every replica's stage k is its logical core k (row 0's names)
             return [distribute.replica_index()]
         return self._mesh.local_replicas[:1]
 
@@ -338,12 +340,16 @@ class PipelinedLayer(base_layer.BaseLayer):
         sched = self.Schedule(num_micro_batches)
         if head is None and sched.name != 'gpipe':
             raise ValueError(sched.name)
+        # Micro-batch m of replica r is global micro-batch r*M + m (its dropout masks); a TPU
+        # replica knows r only at run time.
+        tpu_replica = distribute.tpu_replica_id()
+        replica = r if tpu_replica is None else tpu_replica
         return executor.Executor(
             runners,
             sched,
             self.params.recompute,
             step,
-            r * self.params.num_micro_batches,
+            replica * self.params.num_micro_batches,
             sums,
             input_grads,
         )
@@ -380,11 +386,11 @@ class PipelinedLayer(base_layer.BaseLayer):
                 run.Feed(micro)
                 run.Run([a for a in self._Order(run.sched) if a.phase == schedules.FORWARD])
                 runs.append(run)
-                with tf.device(self._replica_devices[r][-1]):
+                with distribute.on(self._replica_devices[r][-1]):
                     outs.append(
                         microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
                     )
-            with tf.device(self._Row()[-1]):
+            with distribute.on(self._Row()[-1]):
                 merged = microbatch.merge(outs, p.batch_dim)
             out_structure.append(merged)
 
@@ -396,7 +402,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         # tf.custom_gradient joins inputs, outputs and variables in one IdentityN op: on the
         # last stage, where the outputs are, rather than wherever the caller's scope says
         # (on a TF cluster the client, which would pull the whole batch through it).
-        with tf.device(self._Row()[-1]):
+        with distribute.on(self._Row()[-1]):
             flat_out = pipeline(*flat_inputs)
         return _Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
 
@@ -408,7 +414,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     def _FPropBackward(self, runs, merged, dys, flat_inputs, variables):
         """fill-drain's backward actions from the caller's output gradients."""
         p = self.params
-        with tf.device(self._Row()[-1]):
+        with distribute.on(self._Row()[-1]):
             dys = [
                 tf.zeros_like(y) if dy is None and y.dtype.is_floating else dy
                 for y, dy in zip(tf.nest.flatten(merged), dys)
@@ -419,11 +425,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         for run, d_micro in zip(runs, [d for d in d_shards if d]):
             run.FeedOutputGrads([_AsTuple(d) for d in d_micro])
             run.Run([a for a in self._Order(run.sched) if a.phase != schedules.FORWARD])
-            with tf.device(run.runners[0].device):
+            with distribute.on(run.runners[0].device):
                 d_inputs.append(
                     microbatch.merge([run.d_inputs[m] for m in range(len(d_micro))], p.batch_dim)
                 )
-        with tf.device(self._Row()[0]):
+        with distribute.on(self._Row()[0]):
             d_flat = tf.nest.flatten(microbatch.merge(d_inputs, p.batch_dim))
         d_flat = [g if x.dtype.is_floating else None for x, g in zip(flat_inputs, d_flat)]
         return d_flat, self._VariableGrads([run.sums for run in runs], variables)
@@ -470,7 +476,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             run.Feed(micro, targets)
             run.Run(self._Order(run.sched))
             runs.append(run)
-        with tf.device(self._Row()[-1]):
+        with distribute.on(self._Row()[-1]):
             weighted = tf.add_n([w for run in runs for w, _ in run.losses.values()])
             total_weight = tf.add_n([n for run in runs for _, n in run.losses.values()])
             if self._mesh is not None:
@@ -486,13 +492,13 @@ class PipelinedLayer(base_layer.BaseLayer):
             return loss, grads
         merged = []
         for run, micro in zip(runs, [m for m in in_shards if m]):
-            with tf.device(run.runners[-1].device):
+            with distribute.on(run.runners[-1].device):
                 merged.append(
                     microbatch.merge(
                         [run.outputs[m] for m in range(len(micro))], self.params.batch_dim
                     )
                 )
-        with tf.device(self._Row()[-1]):
+        with distribute.on(self._Row()[-1]):
             outputs = _Unpack(microbatch.merge(merged, self.params.batch_dim))
         return loss, grads, outputs
 
@@ -522,11 +528,11 @@ class PipelinedLayer(base_layer.BaseLayer):
             )
             run.Feed(micro)
             run.Evaluate(executor.eval_order(sched.num_stages, len(micro)))
-            with tf.device(self._replica_devices[r][-1]):
+            with distribute.on(self._replica_devices[r][-1]):
                 outs.append(
                     microbatch.merge([run.outputs[m] for m in range(len(micro))], p.batch_dim)
                 )
-        with tf.device(self._Row()[-1]):
+        with distribute.on(self._Row()[-1]):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
 
     def PostTrainingStepUpdate(self):

@@ -26,7 +26,7 @@ function returns (outputs, weighted loss, weight) and its backward starts from d
 
 import tensorflow as tf
 
-from tf_gpipe import fprop_context
+from tf_gpipe import distribute, fprop_context
 from tf_gpipe.gpipe import weight_gradients
 
 # Ops that change a variable: one of them in a recompute means the forward changes state, and
@@ -157,12 +157,12 @@ class CellRunner:
         )
 
     def _Forward(self, inputs, targets, step, micro_batch, training):
-        with tf.device(self.device), self._Scope(step, micro_batch, training):
+        with distribute.on(self.device), self._Scope(step, micro_batch, training):
             return self._Run(inputs, targets)
 
     def _Backward(self, inputs, targets, output_grads, step, micro_batch, want):
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W)."""
-        with tf.device(self.device), self._Scope(step, micro_batch, recompute=True):
+        with distribute.on(self.device), self._Scope(step, micro_batch, recompute=True):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             with tf.GradientTape() as tape:
@@ -271,7 +271,7 @@ class CellRunner:
         """(d_float_inputs, [(variable, d_variable)]) from a ForwardKeep's tape."""
         tape, sources, outputs, _ = kept
         variables = self._NoteRead(tape.watched_variables())
-        with tf.device(self.device):
+        with distribute.on(self.device):
             d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
         return d_x, list(zip(variables, d_v)) if d_v else []
 
@@ -283,7 +283,7 @@ class CellRunner:
             d_x = self.BackwardKept(kept, output_grads, 'inputs')[0] if want_inputs else []
             return d_x, [], None
         variables = self._NoteRead(tape.watched_variables())
-        with tf.device(self.device):
+        with distribute.on(self.device):
             uses = weight_gradients.Uses(ops, variables)
             sources = sources if want_inputs else []
             points = uses.Tensors()
@@ -298,7 +298,7 @@ class CellRunner:
     def SplitWeights(self, state):
         """Zero-bubble's W after `SplitBackward`: [(variable, d_variable)] of the split ones."""
         uses, point_grads = state
-        with tf.device(self.device):
+        with distribute.on(self.device):
             return uses.WeightGradients(point_grads)
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):

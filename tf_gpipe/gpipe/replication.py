@@ -9,6 +9,7 @@ draws, so results do not depend on R.
 
 import tensorflow as tf
 
+from tf_gpipe import distribute
 from tf_gpipe.gpipe import microbatch, ownership
 from tf_gpipe.layers.normalization import BatchNormLayer
 
@@ -22,14 +23,14 @@ def shard(structure, num_replicas, num_micro_batches, batch_dim, first_devices):
         shards = [structure]
     else:
         totals = [sum(s) if s else 0 for s in per_replica]
-        with tf.device(first_devices[0]):
+        with distribute.on(first_devices[0]):
             shards = microbatch.split_sizes(structure, totals, batch_dim)
     out = []
     for r, (piece_sizes, rows) in enumerate(zip(per_replica, shards)):
         if not piece_sizes:
             out.append([])
             continue
-        with tf.device(first_devices[r]):
+        with distribute.on(first_devices[r]):
             out.append(microbatch.split_sizes(rows, piece_sizes, batch_dim))
     return out
 
@@ -70,7 +71,7 @@ def sum_over_replicas(per_replica_sums, per_replica_variables, scale=None):
             if total is None or len(copies) == 1:
                 out[r].append(total)
                 continue
-            with tf.device(v.device):
+            with distribute.on(v.device):
                 out[r].append(tf.nest.map_structure(tf.identity, total, expand_composites=True))
     return out
 

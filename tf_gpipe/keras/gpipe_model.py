@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import fprop_context, placement
+from tf_gpipe import distribute, fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
 from tf_gpipe.keras import functional
@@ -301,14 +301,48 @@ class GPipeModel(keras.Model):
     def train_step(self, data):
         if self._options['schedule'] != 'gpipe':
             return self._ScheduledTrainStep(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         # Loss, metrics and the start of the backward pass on the last stage, where the output
         # is (unplaced, they would run on a TF cluster's client); updates stay with their
         # variables (Keras colocates them).
-        with tf.device(self._pipe.devices[-1]):
-            logs = super().train_step(data)
+        with distribute.on(self._pipe.devices[-1]):
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                mean = self._LocalMean(x, y, y_pred, sample_weight)
+                loss = self.optimizer.scale_loss(self._Share(mean, x))
+            grads = tape.gradient(loss, self.trainable_weights)
+            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            self._TrackLoss(mean, x)
+            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
         self._pipe.PostTrainingStepUpdate()
         return logs
+
+    def _LocalMean(self, x, y, y_pred, sample_weight):
+        """This replica's mean loss over its rows (Keras' compute_loss divides it by the number
+        of replicas under a strategy; undone here)."""
+        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
+        return loss * tf.cast(tf.distribute.get_strategy().num_replicas_in_sync, loss.dtype)
+
+    def _Counts(self, x):
+        """(rows of this replica, rows of the global batch), as floats."""
+        n = tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], tf.float32)
+        return n, distribute.all_reduce_sum(n) if distribute.in_replica_context() else n
+
+    def _Share(self, mean, x):
+        """This replica's share of the global batch's mean: mean * n / N. The optimizer's
+        all-reduce sums the shares' gradients into the global mean's even when the replicas'
+        rows differ (Keras' own mean / R does not: a last partial batch can leave a replica
+        a single row, or none)."""
+        n, total = self._Counts(x)
+        return tf.where(n > 0, mean * tf.cast(n / tf.maximum(total, 1.0), mean.dtype), 0.0)
+
+    def _TrackLoss(self, mean, x):
+        """Keras' loss tracker (by its public name): each replica's mean, weighted by its rows."""
+        n, _ = self._Counts(x)
+        for metric in self.metrics:
+            if metric.name == 'loss':
+                metric.update_state(tf.where(n > 0, mean, 0.0), sample_weight=n)
 
     def _ScheduledTrainStep(self, data):
         """A training step under a schedule that needs the loss inside the pipeline: the
@@ -339,17 +373,15 @@ class GPipeModel(keras.Model):
             zip([by_ref.get(_backing(v).ref()) for v in variables], variables)
         )
         self._pipe.PostTrainingStepUpdate()
-        with tf.device(self._pipe.devices[-1]):
+        with distribute.on(self._pipe.devices[-1]):
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
-            loss = loss * tf.cast(replicas, loss.dtype)  # this replica's mean, as Keras tracks it
-            for metric in self.metrics:  # Keras' loss tracker, by its public name
-                if metric.name == 'loss':
-                    metric.update_state(loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+            n, total = self._Counts(x)  # the share back to this replica's own mean
+            self._TrackLoss(loss * tf.cast(total / tf.maximum(n, 1.0), loss.dtype), x)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
-        with tf.device(self._pipe.devices[-1]):
+        with distribute.on(self._pipe.devices[-1]):
             return super().test_step(data)
 
     def build(self, input_shape=None):
