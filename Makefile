@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean engine-results
+.PHONY: demo test lint format clean engine-results readme-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ engine-results: $(STAMP)
 	$(PY) tools/benchmark.py --families=fc,transformer --micro_batches=4,8 \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
 	  --overheads=false --output=$(RESULTS)/schedules.json > $(RESULTS)/schedules.txt
+	$(MAKE) readme-results
+
+# The README's results tables, rewritten from the JSON files under docs/results (no figure typed).
+readme-results: $(STAMP)
+	$(PY) tools/results_table.py --readme
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

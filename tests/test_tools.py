@@ -137,3 +137,26 @@ def test_plan_ranks_configurations_and_names_a_bad_device():
          '--device=v100-16'], capture_output=True, text=True, timeout=120, cwd=ROOT,
     )  # fmt: skip
     assert bad.returncode != 0 and "did you mean 'v100-16gb'" in bad.stderr
+
+
+def test_readme_results_are_the_tools_output():
+    """Every results table of the README is results_table.py's rendering of a committed JSON
+    file a tool wrote (`python tools/results_table.py --readme` regenerates them all): no figure
+    typed by hand, and a stale block fails here."""
+    import results_table
+
+    with open(results_table.README, encoding='utf-8') as f:
+        text = f.read()
+    blocks = [m['files'] for m in results_table.BLOCK.finditer(text)]
+    assert results_table.stale_blocks(text) == []
+    for name in (
+        'peak_memory',
+        'schedules',
+        'timeline_gpipe',
+        'data_parallel',
+        'data_parallel_8192',
+    ):
+        assert any(f'docs/results/{name}.json' in b.split() for b in blocks), name
+    # A stale block is caught: change one figure of the rendered text.
+    changed = text.replace('| 2446 | 1.38 |', '| 2446 | 1.39 |', 1)
+    assert changed != text and results_table.stale_blocks(changed)

@@ -1,16 +1,27 @@
 """The README's markdown tables, printed from the JSON files the measuring tools wrote.
 
+    python tools/results_table.py --readme        # rewrite every results block of README.md
+    python tools/results_table.py --check         # exit 1 naming the blocks that are stale
     python tools/results_table.py docs/results/peak_memory.json
     python tools/results_table.py docs/results/schedules.json
     python tools/results_table.py docs/results/timeline_*.json
     python tools/results_table.py docs/results/max_model_size_amoebanet.json
+    python tools/results_table.py docs/results/data_parallel.json
 
 Nothing is typed by hand: each table is this script's output for files that
 `make engine-results` (peak_memory.py, benchmark.py, timeline.py) wrote.
 """
 
+import glob
 import json
+import os
+import re
 import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, 'README.md')
+# A results block of the README: the table of the JSON files named in its opening marker.
+BLOCK = re.compile(r'(<!-- results: (?P<files>[^>]+?) -->\n)(?P<body>.*?)(<!-- /results -->)', re.S)
 
 
 def memory_table(result):
@@ -68,6 +79,46 @@ def schedules_table(results):
     return lines
 
 
+def data_parallel_table(results):
+    """benchmark.py --data_parallel: R=2 x K=1 (MultiWorkerMirroredStrategy) beside R=1 x K=1
+    and the pipeline's R=1 x K=2, per M."""
+    lines = []
+    for res in results:
+        dp = res['data_parallel']
+        lines += [
+            f'{res["family"]} (knob {res["knob"]}, {res["config"]}, global batch '
+            f'{res["batch_size"]}), recompute={res["recompute"]}; examples/s and speed-ups, '
+            f'median of {dp[0]["runs"]} runs [min–max]. Data: two single-core processes '
+            'under MultiWorkerMirroredStrategy over one such process; pipeline: a client '
+            'driving two single-core workers over K=1 on one of them (each ratio within a run):',
+            '',
+            '| M | R=1 x K=1 | R=2 x K=1 (data) | speed-up | [min–max] | R=1 x K=2 (pipeline) '
+            '| speed-up | [min–max] |',
+            '|---|---|---|---|---|---|---|---|',
+        ]
+        pipe = {
+            r['num_micro_batches']: r
+            for r in res['throughput']
+            if r['num_stages'] == 2 and r['schedule'] == res['schedules'][0]
+        }
+        for r in dp:
+            lo, hi = r['speedup_r2_spread']
+            p = pipe.get(r['num_micro_batches'])
+            tail = (
+                f'{p["examples_per_s"]:.0f} | {p["speedup"]:.2f} | '
+                f'{p["speedup_spread"][0]:.2f}–{p["speedup_spread"][1]:.2f} |'
+                if p
+                else '- | - | - |'
+            )
+            lines.append(
+                f'| {r["num_micro_batches"]} | {r["examples_per_s_r1"]:.0f} | '
+                f'{r["examples_per_s_r2"]:.0f} | {r["speedup_r2"]:.2f} | {lo:.2f}–{hi:.2f} | '
+                + tail
+            )
+        lines.append('')
+    return lines
+
+
 def timeline_table(results):
     lines = [
         '| schedule | K | M | recompute | step ms | F / B / W ms | bubble measured | ideal |',
@@ -113,12 +164,56 @@ def table(paths):
         return max_size_table(first)
     if isinstance(first, dict) and 'rows' in first:
         return memory_table(first)
-    if isinstance(first, list):
-        return schedules_table(first)
+    if isinstance(first, list):  # benchmark.py results: every file's families, in order
+        results = [r for result in loaded for r in result]
+        if results and results[0].get('data_parallel'):
+            return data_parallel_table(results)
+        return schedules_table(results)
     return timeline_table(loaded)
 
 
-if __name__ == '__main__':
-    if len(sys.argv) < 2:
+def _files(spec):
+    paths = [p for pattern in spec.split() for p in sorted(glob.glob(os.path.join(ROOT, pattern)))]
+    if not paths:
+        raise FileNotFoundError(f'A README results block names {spec!r}: no such file.')
+    return paths
+
+
+def render(text):
+    """`text` with every results block replaced by the table of its files."""
+
+    def block(match):
+        body = '\n'.join(table(_files(match['files']))).rstrip('\n') + '\n'
+        return match.group(1) + body + match.group(4)
+
+    return BLOCK.sub(block, text)
+
+
+def stale_blocks(text):
+    """The file lists of the blocks whose text differs from their files' table."""
+    fresh = {m['files']: m['body'] for m in BLOCK.finditer(render(text))}
+    return [m['files'] for m in BLOCK.finditer(text) if fresh[m['files']] != m['body']]
+
+
+def main(args):
+    if not args:
         sys.exit(__doc__)
-    print('\n'.join(table(sys.argv[1:])))
+    if args[0] in ('--readme', '--check'):
+        with open(README, encoding='utf-8') as f:
+            text = f.read()
+        if args[0] == '--check':
+            stale = stale_blocks(text)
+            if stale:
+                sys.exit(f'README results blocks differ from their files: {", ".join(stale)}. '
+                         'Run python tools/results_table.py --readme.')  # fmt: skip
+            print(f'{len(BLOCK.findall(text))} results blocks match their files.')
+            return
+        with open(README, 'w', encoding='utf-8') as f:
+            f.write(render(text))
+        print(f'{len(BLOCK.findall(text))} results blocks rewritten.')
+        return
+    print('\n'.join(table(args)))
+
+
+if __name__ == '__main__':
+    main(sys.argv[1:])
