@@ -23,7 +23,6 @@ _SLOW_FIRST = (
     'test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works',
     'test_a_keras_model_inside_a_sequential_gets_every_gradient',
     'test_keras_applications_unchanged_at_k4_step_like_plain_keras',
-    'test_keras_applications_batch_norms_see_micro_batches',
     'test_efficientnet_b0_with_dropout_and_stochastic_depth',
     'test_keras_resnet_example_runs',
     'test_two_worker_processes_under_multi_worker_mirrored_strategy',

@@ -360,37 +360,6 @@ def test_keras_applications_unchanged_at_k4_step_like_plain_keras(name, size):
     assert all(np.any(g != 0) for g, w in zip(got, want) if np.any(w != 0))
 
 
-@pytest.mark.parametrize('name, m', [('MobileNetV2', 2)])
-def test_keras_applications_batch_norms_see_micro_batches(name, m):
-    """M>1: every batch norm normalises each micro-batch with its own statistics, as in the
-    paper; the gradients equal those of the plain model applied micro-batch by micro-batch.
-    (ResNet50 is not checked here: at 32x32 its 1x1 last stage leaves the plain model too
-    ill-conditioned to agree with itself, so the bound was loose; it cost a minute of the suite.
-    MobileNetV2's batch norms go through the same path and give a sharp check.)"""
-    x = tf.random.stateless_normal([16, 32, 32, 3], [3, 4])
-    y = np.arange(16) % 10
-    loss = keras.losses.SparseCategoricalCrossentropy()
-    plain = _application(name, 32)
-    pipe = GPipe(_application(name, 32), num_partitions=4, num_micro_batches=m)
-
-    def grads(model, pieces):
-        with tf.GradientTape() as tape:
-            out = tf.concat([model(p, training=True) for p in tf.split(x, pieces)], 0)
-            value = loss(y, out)
-        return value, tape.gradient(value, model.trainable_variables)
-
-    eager_loss, eager = grads(plain, m)
-    want_loss, want = tf.function(lambda: grads(plain, m))()
-    floor = _relative_worst(eager, want)
-    whole_loss = loss(y, plain(x, training=True))  # the whole batch's statistics
-    got_loss, got = tf.function(lambda: grads(pipe, 1))()
-    loss_floor = abs(float(eager_loss) - float(want_loss))
-    assert abs(float(got_loss) - float(want_loss)) <= max(3 * loss_floor, 1e-5 * want_loss), (
-        got_loss, want_loss, loss_floor)  # fmt: skip
-    assert abs(float(whole_loss) - float(want_loss)) > 1e-4  # M matters: the check can fail
-    assert _relative_worst(got, want) <= max(3 * floor, 1e-4), floor
-
-
 def test_efficientnet_b0_with_dropout_and_stochastic_depth():
     """EfficientNetB0 (rescaling and normalisation layers, squeeze-excite multiplies, dropout
     and per-block stochastic depth) built unchanged, K=4, M=2: predict equals the plain model

@@ -72,7 +72,9 @@ def test_keras_cut_after_example_names_real_resnet50_layers():
 
 
 def test_strategy_example_trains_data_x_pipeline():
-    block = next(b for b in _python_blocks() if 'mesh.strategy().scope()' in b)
+    block = next(
+        b for b in _python_blocks() if 'mesh.strategy().scope()' in b and 'from_local' in b
+    )
     setup = (  # the user's model and data; the CPU is split first, as the example says
         'from tf_gpipe import cluster\ncluster.logical_cpus(4)\nimport keras, numpy as np\n'
         'keras_model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, '

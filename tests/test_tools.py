@@ -91,6 +91,7 @@ def test_benchmark_runs_on_two_workers():
             '--schedules=gpipe,zero_bubble',
             '--overhead_micro_batches=2',
             '--steps=1',
+            '--isolate=false',  # one client and one pair of workers for every row (suite time)
             '--data_parallel',
             '--json',
         ]

@@ -98,6 +98,7 @@ def test_inspect_and_errors(tmp_path):
     typo = _trainer('--model=lm.synthetic.TransformerLmTni', '--mode=inspect_params')
     assert typo.returncode == 1
     assert "Did you mean 'lm.synthetic.TransformerLmTiny'" in typo.stderr
+    assert 'Traceback' not in typo.stderr
     # A misspelt or mistyped override takes the same one-line exit as the zero below (their
     # messages: test_hyperparams.py::test_apply_overrides, ::test_from_text_type_errors_and_typos).
     zero = _trainer(
@@ -107,16 +108,14 @@ def test_inspect_and_errors(tmp_path):
     )
     assert zero.returncode == 1 and 'num_micro_batches=0 must be int >= 1' in zero.stderr
     assert 'Traceback' not in zero.stderr
+    # Errors once training starts (too few devices, no TPU; a malformed --cluster_spec, whose
+    # messages test_cluster_spec.py checks) take the one-line exit below.
     # Too few devices: the advice is this command's flag, not the library call.
     few = _trainer(
         f'--model={MODEL}', f'--logdir={tmp_path}', '--num_logical_cpus=2', '--max_steps=1'
     )
     assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
     assert 'cluster.logical_cpus' not in few.stderr
-    for spec, why in (('worker=h0', "'h0' is not"),):  # all malformed ones: test_cluster_spec
-        malformed = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', f'--cluster_spec={spec}')
-        assert malformed.returncode == 1 and why in malformed.stderr, malformed.stderr[-2000:]
-        assert "Expected e.g. --cluster_spec='worker=127.0.0.1:2222" in malformed.stderr
     # --tpu reaches the resolver; with no TPU here, a clear exit (TPUStrategy path: test_cluster).
     tpu = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--tpu=local')
     assert tpu.returncode == 1 and "No TPU answered for tpu='local'" in tpu.stderr, tpu.stderr
