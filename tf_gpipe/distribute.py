@@ -141,25 +141,29 @@ def stage_core(mesh, device):
     return None
 
 
+def _tpu_replica_mesh():
+    """The TPU mesh whose strategy.run this is; None elsewhere."""
+    if not in_replica_context():
+        return None
+    mesh = _MESHES.get(tf.distribute.get_strategy())
+    return mesh if mesh is not None and mesh.tpu is not None else None
+
+
 def on(device):
     """Where a stage's ops go: tf.device(device); inside a TPU replica (TPUStrategy places by
     logical core, not by device name) that stage's logical core, or XLA's choice off the mesh."""
-    if device and in_replica_context():
-        mesh = _MESHES.get(tf.distribute.get_strategy())
-        if mesh is not None and mesh.tpu is not None:
-            core = stage_core(mesh, device)
-            if core is None:
-                return contextlib.nullcontext()
-            return mesh.strategy().extended.experimental_logical_device(core)
-    return tf.device(device)
+    mesh = _tpu_replica_mesh() if device else None
+    if mesh is None:
+        return tf.device(device)
+    core = stage_core(mesh, device)
+    if core is None:
+        return contextlib.nullcontext()
+    return mesh.strategy().extended.experimental_logical_device(core)
 
 
 def tpu_replica_id():
     """Inside a TPU replica: its id (a tensor: TPU replicas run one program); else None."""
-    if not in_replica_context():
-        return None
-    mesh = _MESHES.get(tf.distribute.get_strategy())
-    if mesh is None or mesh.tpu is None:
+    if _tpu_replica_mesh() is None:
         return None
     return tf.distribute.get_replica_context().replica_id_in_sync_group
 

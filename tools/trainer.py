@@ -121,10 +121,15 @@ def _connect():
     return cluster.use_mesh(mesh), (spec, servers)
 
 
+def _num_stages():
+    """K of the model's pipeline (1 without one): each replica's devices."""
+    p = _model_params()
+    return p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+
+
 def _local_strategy_scope(num_replicas):
     """mesh.strategy().scope() for R replicas x K stages of this process's devices."""
-    p = _model_params()
-    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    stages = _num_stages()
     mesh = cluster.DeviceMesh.from_local(num_replicas=num_replicas, num_stages=stages)
     logging.info('Data parallel under %s: %s', type(mesh.strategy()).__name__, mesh)
     return mesh.strategy().scope()
@@ -132,8 +137,7 @@ def _local_strategy_scope(num_replicas):
 
 def _tpu_strategy_scope():
     """TPUStrategy's scope over the TPU --tpu names: K cores per replica, R = cores // K."""
-    p = _model_params()
-    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    stages = _num_stages()
     mesh = cluster.tpu_mesh(stages, tpu=TPU.value)
     logging.info('TPUStrategy, %d replicas x %d cores: %s', mesh.num_replicas, stages, mesh)
     return mesh.strategy().scope()
@@ -148,8 +152,7 @@ def _multi_worker_scope():
             '{"cluster": {"worker": ["h0:2222", "h1:2222"]}, "task": {"type": "worker", '
             '"index": 0}}, and the same command on every worker.'
         )
-    p = _model_params()
-    stages = p.task.pipeline.num_partitions if 'pipeline' in p.task else 1
+    stages = _num_stages()
     mesh = cluster.DeviceMesh.from_cluster(
         spec, num_replicas=len(spec['worker']), num_stages=stages, devices_per_task=stages
     )

@@ -309,10 +309,11 @@ class GPipeModel(keras.Model):
             with tf.GradientTape() as tape:
                 y_pred = self(x, training=True)
                 mean = self._LocalMean(x, y, y_pred, sample_weight)
-                loss = self.optimizer.scale_loss(self._Share(mean, x))
+                counts = self._Counts(x)
+                loss = self.optimizer.scale_loss(self._Share(mean, counts))
             grads = tape.gradient(loss, self.trainable_weights)
             self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
-            self._TrackLoss(mean, x)
+            self._TrackLoss(mean, counts)
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
         self._pipe.PostTrainingStepUpdate()
@@ -325,21 +326,21 @@ class GPipeModel(keras.Model):
         return loss * tf.cast(tf.distribute.get_strategy().num_replicas_in_sync, loss.dtype)
 
     def _Counts(self, x):
-        """(rows of this replica, rows of the global batch), as floats."""
+        """(rows of this replica, rows of the global batch), as floats (one all-reduce)."""
         n = tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], tf.float32)
         return n, distribute.all_reduce_sum(n) if distribute.in_replica_context() else n
 
-    def _Share(self, mean, x):
+    def _Share(self, mean, counts):
         """This replica's share of the global batch's mean: mean * n / N. The optimizer's
         all-reduce sums the shares' gradients into the global mean's even when the replicas'
         rows differ (Keras' own mean / R does not: a last partial batch can leave a replica
-        a single row, or none)."""
-        n, total = self._Counts(x)
+        a single row, or none). `counts`: _Counts."""
+        n, total = counts
         return tf.where(n > 0, mean * tf.cast(n / tf.maximum(total, 1.0), mean.dtype), 0.0)
 
-    def _TrackLoss(self, mean, x):
+    def _TrackLoss(self, mean, counts):
         """Keras' loss tracker (by its public name): each replica's mean, weighted by its rows."""
-        n, _ = self._Counts(x)
+        n, _ = counts
         for metric in self.metrics:
             if metric.name == 'loss':
                 metric.update_state(tf.where(n > 0, mean, 0.0), sample_weight=n)
@@ -376,8 +377,9 @@ class GPipeModel(keras.Model):
         with distribute.on(self._pipe.devices[-1]):
             if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
                 loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
-            n, total = self._Counts(x)  # the share back to this replica's own mean
-            self._TrackLoss(loss * tf.cast(total / tf.maximum(n, 1.0), loss.dtype), x)
+            counts = self._Counts(x)
+            n, total = counts  # the share back to this replica's own mean
+            self._TrackLoss(loss * tf.cast(total / tf.maximum(n, 1.0), loss.dtype), counts)
             return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def test_step(self, data):
