@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean engine-results readme-results
+.PHONY: demo test lint format clean engine-results plan-results readme-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,16 @@ engine-results: $(STAMP)
 	$(PY) tools/benchmark.py --families=fc,transformer --micro_batches=4,8 \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
 	  --overheads=false --output=$(RESULTS)/schedules.json > $(RESULTS)/schedules.txt
+	$(MAKE) readme-results
+
+# The planner's figures in the README (about 12 minutes on 2 cores; run on an idle machine):
+# predicted vs measured memory and step time, the paper's tables at their scale, one plan.
+plan-results: $(STAMP)
+	mkdir -p $(RESULTS)
+	$(PY) tools/plan_check.py --output=$(RESULTS)/plan_check.json
+	$(PY) tools/paper_scale.py --output=$(RESULTS)/paper_scale.json
+	$(PY) tools/plan.py --model=lm.lm1b.TransformerLmPaper --device=tpu-v3 --num_devices=8 \
+	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
 	$(MAKE) readme-results
 
 # The README's results tables, rewritten from the JSON files under docs/results (no figure typed).

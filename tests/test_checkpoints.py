@@ -194,4 +194,10 @@ def test_strategy_replicas_resume_and_train_as_one_pipeline(k2_run, tmp_path):
         np.testing.assert_array_equal(value, at_2[name], err_msg=name)
     t.Train()
     for name, value in _weights(t).items():
+        if name.endswith('b_key'):
+            # Softmax ignores a bias added to every key: its exact gradient is zero, and both
+            # runs' values are Adam's response to rounding noise (summed in another order over
+            # the replicas), so they are only small (seen: -1.3e-6 against -2.4e-6).
+            assert np.abs(value).max() < 1e-4 and np.abs(at_3[name]).max() < 1e-4, name
+            continue
         np.testing.assert_allclose(value, at_3[name], rtol=1e-5, atol=1e-6, err_msg=name)

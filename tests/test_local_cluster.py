@@ -110,3 +110,54 @@ def test_pipeline_across_worker_processes():
     # after the step that needs it).
     assert report['seconds_to_error'] < 30, report
     assert report['unreachable'] == [['worker', 1, report['worker_1']]]  # the dead one, named
+
+
+_MEMORY_SCRIPT = r"""
+import json
+import tensorflow as tf
+from tf_gpipe import local_cluster
+from tf_gpipe.planning import measure
+
+env = dict(TF_CPU_ALLOCATOR_USE_BFC='true', TF_GPIPE_MEMORY_REPORT='1')
+report = {}
+cluster = local_cluster.LocalCluster(1, env=env).start()
+try:
+    cluster.connect()
+    device = cluster.device(0)
+
+    @tf.function
+    def make():
+        with tf.device(device):
+            return tf.reduce_sum(tf.random.normal([4 << 20]) * 2.0)  # 16 MiB on the worker
+
+    make()
+    report['link'] = measure.link(device, '/job:client/replica:0/task:0/device:CPU:0')
+    report['peaks'] = cluster.memory_peaks()
+finally:
+    cluster.stop()
+with local_cluster.LocalCluster(1) as plain:  # no report asked for: a clear error
+    try:
+        plain.memory_peaks(timeout=10)
+    except RuntimeError as e:
+        report['error'] = str(e)
+print(json.dumps(report))
+"""
+
+
+def test_workers_report_their_allocator_peak_and_the_link_is_measured():
+    """TF_GPIPE_MEMORY_REPORT=1: a worker prints its BFC allocator's peak on SIGTERM (what
+    tools/plan_check.py compares with the planner); planning.measure.link times a hop."""
+    out = subprocess.run(
+        [sys.executable, '-c', _MEMORY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report['peaks']) == 1 and report['peaks'][0] >= 16 << 20, report
+    bandwidth, latency = report['link']
+    assert bandwidth > 1e6 and 0 <= latency < 1.0, report
+    assert 'TF_GPIPE_MEMORY_REPORT=1' in report['error'], report

@@ -98,3 +98,24 @@ def test_partition_table():
     lines = table.splitlines()
     assert lines[0].split() == ['cell', 'layers', 'params', 'flops', 'act', 'bytes', 'device']
     assert 'fc1 .. fc2 (2)' in lines[3] and '40' in lines[3] and '/cpu:1' in lines[3]
+
+
+def test_large_cases_reach_the_same_optimum_fast():
+    """Above the DP's size the bisection is used: the same largest-block cost as the exact DP
+    on random small cases, and a paper-scale cut (1663 layers into 128 cells, minutes for the
+    DP) that is balanced."""
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 14)
+        k = rng.randint(1, n)
+        costs = [rng.choice([1.0, 2.0, 3.0, 5.0, rng.random() * 10]) for _ in range(n)]
+
+        def largest(splits, costs=costs):
+            return max(sum(costs[a:b]) for a, b in partition.blocks(splits))
+
+        fast = partition._balance_large(costs, k)
+        assert len(fast) == k and fast[-1] == n and fast == sorted(set(fast)), (costs, k, fast)
+        assert largest(fast) == pytest.approx(largest(partition.balance(costs, k))), (costs, k)
+    costs = [1.0] + [3.0] * 1661 + [2.0]
+    splits = partition.balance(costs, 128)
+    assert len(splits) == 128 and max(b - a for a, b in partition.blocks(splits)) == 13

@@ -117,7 +117,8 @@ def test_benchmark_runs_on_two_workers():
     assert names[0] == 'plain sequence' and 'K=1 M=2 always' in names
 
 
-def test_plan_ranks_configurations_and_names_a_bad_device():
+def test_plan_ranks_configurations_and_names_a_bad_device(tmp_path):
+    png, saved = tmp_path / 'plan.png', tmp_path / 'plan.json'
     out = _run(
         [
             os.path.join(TOOLS, 'plan.py'),
@@ -126,13 +127,34 @@ def test_plan_ranks_configurations_and_names_a_bad_device():
             '--num_devices=2',
             '--micro_batches=1,2,4',
             '--json',
+            f'--plot={png}',
+            f'--output={saved}',
         ]
     )
-    plans = json.loads(out.splitlines()[-1])
+    result = json.loads(out.splitlines()[-1])
+    assert result == json.loads(saved.read_text())
+    assert {'machine', 'tf_version', 'date', 'command'} <= set(result)
+    plans = result['plans']
     assert {p['schedule'] for p in plans} >= {'gpipe', '1f1b'} and all(p['fits'] for p in plans)
     speeds = [p['examples_per_second'] for p in plans]
     assert speeds == sorted(speeds, reverse=True)
     assert all(len(p['stages']) == 2 and p['peak_bytes'] > 0 for p in plans)
+    assert png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n' and png.stat().st_size > 10000
+    # This machine: every layer timed here at each M's micro-batch size (token ids in).
+    here = json.loads(
+        _run(
+            [
+                os.path.join(TOOLS, 'plan.py'),
+                '--model=lm.synthetic.TransformerLmTiny',
+                '--device=this-machine',
+                '--num_devices=1',
+                '--micro_batches=1,2',
+                '--json',
+            ]
+        ).splitlines()[-1]
+    )
+    assert here['device']['name'] == 'this-machine' and here['device']['memory_bytes'] > 1 << 30
+    assert len(here['plans']) == 6 and all(p['step_seconds'] > 0 for p in here['plans'])
     bad = subprocess.run(
         [sys.executable, os.path.join(TOOLS, 'plan.py'), '--model=lm.synthetic.TransformerLmTiny',
          '--device=v100-16'], capture_output=True, text=True, timeout=120, cwd=ROOT,

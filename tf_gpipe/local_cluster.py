@@ -112,6 +112,24 @@ class LocalCluster:
         self.processes[task].kill()
         self.processes[task].wait()
 
+    def memory_peaks(self, timeout=30.0):
+        """Stops every worker and returns each one's peak allocator bytes (the workers must run
+        with env TF_CPU_ALLOCATOR_USE_BFC=true and TF_GPIPE_MEMORY_REPORT=1)."""
+        for proc in self.processes:
+            proc.terminate()
+        peaks = []
+        for i, proc in enumerate(self.processes):
+            out, _ = proc.communicate(timeout=timeout)
+            lines = [x for x in out.splitlines() if x.startswith('memory:')]
+            if not lines:
+                raise RuntimeError(
+                    f'TF worker {i} reported no memory: start the cluster with env '
+                    'TF_CPU_ALLOCATOR_USE_BFC=true and TF_GPIPE_MEMORY_REPORT=1.'
+                )
+            peaks.append(int(lines[-1].split('peak=')[1]))
+        self.processes = []
+        return peaks
+
     def stop(self):
         for proc in self.processes:
             if proc.poll() is None:

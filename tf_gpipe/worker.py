@@ -18,6 +18,21 @@ from tf_gpipe import cluster_spec
 
 # Set to the client's pid (LocalCluster does): the worker exits when that process is gone.
 EXIT_WITH_PARENT = 'TF_GPIPE_EXIT_WITH_PARENT'
+# Set (with TF_CPU_ALLOCATOR_USE_BFC=true): on SIGTERM the worker prints its CPU allocator's
+# current and peak bytes ('memory: current=N peak=N') and exits — the planner's check reads
+# each stage's peak this way, as a client cannot ask a remote allocator.
+MEMORY_REPORT = 'TF_GPIPE_MEMORY_REPORT'
+
+
+def _report_memory_on_sigterm():
+    import signal
+
+    def report(*_):
+        info = tf.config.experimental.get_memory_info('CPU:0')
+        print(f'memory: current={info["current"]} peak={info["peak"]}', flush=True)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, report)
 
 
 def Serve(spec, job_name, task_index, wait=True):
@@ -41,6 +56,9 @@ def Serve(spec, job_name, task_index, wait=True):
         f'(pid {os.getpid()}); serving until killed',
         flush=True,
     )
+    if wait and os.environ.get(MEMORY_REPORT):
+        while True:  # Python's signal handlers run only between bytecodes, never in join()
+            time.sleep(0.2)
     if wait:
         server.join()
     return server
@@ -61,6 +79,8 @@ def _exit_with_parent(parent_pid, poll=1.0):
 def _main():
     if os.environ.get(EXIT_WITH_PARENT):
         _exit_with_parent(int(os.environ[EXIT_WITH_PARENT]))
+    if os.environ.get(MEMORY_REPORT):
+        _report_memory_on_sigterm()
     spec, task = cluster_spec.from_tf_config()
     if spec is None or not task:
         sys.exit(

@@ -170,6 +170,15 @@ def run_metadata():
     )
 
 
+def write_json(path, result):
+    """Writes a tool's result file (creating its folder): what results_table.py reads."""
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(result, f, indent=1)
+
+
 def largest(trial, max_knob, start=1, log=print):
     """(largest knob k with trial(k) ok, its result): doubling from `start`, then bisection."""
     best, best_result = 0, None

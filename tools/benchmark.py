@@ -374,9 +374,9 @@ def main(_):
         schedules.build(name, 2, 2 * max(2, VIRTUAL.value))  # an unknown name: did you mean ...
     results = [measure(f) for f in FAMILIES.value]
     if OUTPUT.value:
-        os.makedirs(os.path.dirname(os.path.abspath(OUTPUT.value)), exist_ok=True)
-        with open(OUTPUT.value, 'w') as f:
-            json.dump(results, f, indent=1)
+        from bench_common import write_json
+
+        write_json(OUTPUT.value, results)
     if JSON.value:
         print(json.dumps(results))
         return

@@ -38,6 +38,7 @@ OVERRIDE = flags.DEFINE_string(
     'params_override', '', 'More overrides for every run, e.g. task.pipeline.num_micro_batches=2.'
 )
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result (with run metadata) here.')
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'trainer.py')
 _STEP = re.compile(r'step\s+(\d+)\s+loss')
@@ -184,6 +185,11 @@ def drill(workdir, kills, seed):
 def main(_):
     workdir = WORKDIR.value or tempfile.mkdtemp(prefix='fault_drill_')
     r = drill(workdir, KILLS.value, SEED.value)
+    if OUTPUT.value:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_common import run_metadata, write_json
+
+        write_json(OUTPUT.value, dict(r, **run_metadata()))
     if JSON.value:
         print(json.dumps(r))
         return

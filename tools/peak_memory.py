@@ -164,9 +164,9 @@ def measure():
 def main(_):
     result = measure()
     if OUTPUT.value:
-        os.makedirs(os.path.dirname(os.path.abspath(OUTPUT.value)), exist_ok=True)
-        with open(OUTPUT.value, 'w') as f:
-            json.dump(result, f, indent=1)
+        from bench_common import write_json
+
+        write_json(OUTPUT.value, result)
     if JSON.value:
         print(json.dumps(result))
         return

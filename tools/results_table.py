@@ -119,6 +119,22 @@ def data_parallel_table(results):
     return lines
 
 
+def overheads_table(results):
+    """benchmark.py --overheads: step time on one worker over the plain layer sequence's."""
+    names = [r['name'] for r in results[0]['overheads'][1:]]
+    lines = [
+        '| model | plain step s | ' + ' | '.join(names) + ' |',
+        '|---' * (len(names) + 2) + '|',
+    ]
+    for res in results:
+        plain, *rest = res['overheads']
+        lines.append(
+            f'| {res["family"]} (knob {res["knob"]}, batch {res["batch_size"]}) | '
+            f'{plain["seconds"]:.3f} | ' + ' | '.join(f'{r["vs_plain"]:.2f}' for r in rest) + ' |'
+        )
+    return lines
+
+
 def timeline_table(results):
     lines = [
         '| schedule | K | M | recompute | step ms | F / B / W ms | bubble measured | ideal |',
@@ -157,9 +173,131 @@ def max_size_table(result):
     return lines
 
 
+def plans_table(result):
+    """tools/plan.py --output: the ranked plans of one model on N devices of a profile."""
+    d = result['device']
+    lines = [
+        f'{result["model"]}: input {tuple(result["input_shape"])}, {result["num_devices"]} x '
+        f'{d["name"]} ({d["memory_bytes"] / 2**30:.0f} GiB, {d["flops_per_second"] / 1e12:.1f} '
+        f'TFLOP/s effective) (`{result.get("command", "")}`):',
+        '',
+        '| M | schedule | recompute | peak GiB | step s | examples/s | bubble | fits |',
+        '|---|---|---|---|---|---|---|---|',
+    ]
+    for p in result['plans']:
+        lines.append(
+            f'| {p["num_micro_batches"]} | {p["schedule"]} | {p["recompute"]} | '
+            f'{p["peak_bytes"] / 2**30:.2f} | {p["step_seconds"]:.3f} | '
+            f'{p["examples_per_second"]:.1f} | {p["bubble"]:.3f} | '
+            f'{"yes" if p["fits"] else "no"} |'
+        )
+    return lines
+
+
+def _ratio(measured, predicted):
+    return measured / predicted if predicted else float('nan')
+
+
+def plan_check_table(result):
+    """Markdown lines: each configuration's predicted and measured peak (per device) and step."""
+    link = result.get('link')
+    lines = [
+        f'Measured {result.get("date", "")} on {result.get("machine", "")}, TF '
+        f'{result.get("tf_version", "")} (`{result.get("command", "")}`)'
+        + (
+            f'; loopback link {link["link_bytes_per_second"] / 1e9:.2f} GB/s, latency '
+            f'{link["link_latency_seconds"] * 1e3:.2f} ms'
+            if link
+            else ''
+        )
+        + ':',
+        '',
+        '| model | K | M | schedule | recompute | device | peak MiB predicted | measured | '
+        'measured / predicted | step s predicted | measured | measured / predicted |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for r in result['rows']:
+        family, knob, batch, k, m, schedule, recompute = r['config'].split(':')
+        pred = r['predicted']
+        for d, measured in enumerate(r['measured_peak_bytes']):
+            time_cells = '| | |'
+            if d == 0 and r.get('measured_step_seconds'):
+                t_pred, t_meas = pred['step_seconds'], r['measured_step_seconds']
+                time_cells = f'{t_pred:.3f} | {t_meas:.3f} | {_ratio(t_meas, t_pred):.2f} |'
+            head = (
+                f'| {family} {knob}, batch {batch} | {k} | {m} | {schedule} | {recompute} '
+                if d == 0
+                else '| | | | | '
+            )
+            lines.append(
+                f'{head}| {d} | {pred["peak_bytes"][d] / 2**20:.1f} | {measured / 2**20:.1f} | '
+                f'{_ratio(measured, pred["peak_bytes"][d]):.2f} | {time_cells}'
+            )
+    return lines
+
+
+def paper_scale_tables(result):
+    """Markdown lines of both tables."""
+    lines = [
+        '| model | setting | planned size | params | peak GiB | paper size | paper params | '
+        'planned / paper |',
+        '|---|---|---|---|---|---|---|---|',
+    ]
+    for r in result['table1']:
+        peak = f'{r["peak_bytes"] / (1 << 30):.2f}' if r['peak_bytes'] else '–'
+        lines.append(
+            f'| {r["model"]} ({r["device"]}) | {r["setting"]} | {r["size"]} | '
+            f'{_count(r["params"]) if r["params"] else "–"} | {peak} | {r["paper_size"]} | '
+            f'{_count(r["paper_params"])} | '
+            f'{r["params"] / r["paper_params"]:.2f} |'
+        )
+    lines += [
+        '',
+        '| model (TPU v3) | K | M=1 | M=4 | M=32 | paper M=1 | M=4 | M=32 |',
+        '|---|---|---|---|---|---|---|---|',
+    ]
+    for r in result['table2']:
+        planned = ' | '.join(
+            f'{s:.2f}' + ('' if fits else ' (no fit)') for s, fits in zip(r['speedup'], r['fits'])
+        )
+        paper = ' | '.join(f'{s:.2f}' for s in r['paper'])
+        lines.append(f'| {r["model"]} | {r["num_devices"]} | {planned} | {paper} |')
+    return lines
+
+
+def _count(n):
+    return f'{n / 1e9:.2f}B' if n >= 1e9 else f'{n / 1e6:.1f}M'
+
+
+def fault_drill_table(r):
+    """tools/fault_drill.py --output: kill -9 at random steps, restarts, what was lost."""
+    deviation = r['max_weight_deviation']
+    kills = ', '.join(str(k['kill_at']) for k in r['kill_log'])
+    resumed = ', '.join(str(k['last_checkpoint']) for k in r['kill_log'])
+    return [
+        f'{r["model"]}, {r["max_steps"]} steps, a checkpoint every {r["save_interval_steps"]} '
+        f'({r.get("date", "")}; `{r.get("command", "")}`, {r["seconds"]:.0f} s):',
+        '',
+        '| runs | kills | steps redone | checkpoints lost | final-weight deviation |',
+        '|---|---|---|---|---|',
+        f'| {r["runs"]} | {r["kills"]} | {r["steps_redone"]} | {r["checkpoints_lost"]} | '
+        f'{deviation:.2g}{" (bitwise equal)" if deviation == 0 else ""} |',
+        '',
+        f'Killed at steps {kills}; resumed from checkpoints {resumed}.',
+    ]
+
+
 def table(paths):
     loaded = [json.load(open(p)) for p in paths]
     first = loaded[0]
+    if isinstance(first, dict) and 'kill_log' in first:
+        return fault_drill_table(first)
+    if isinstance(first, dict) and 'table1' in first:
+        return paper_scale_tables(first)
+    if isinstance(first, dict) and 'plans' in first:
+        return plans_table(first)
+    if isinstance(first, dict) and 'rows' in first and 'config' in first['rows'][0]:
+        return plan_check_table(first)
     if isinstance(first, dict) and 'budget_mb' in first:
         return max_size_table(first)
     if isinstance(first, dict) and 'rows' in first:
@@ -168,6 +306,8 @@ def table(paths):
         results = [r for result in loaded for r in result]
         if results and results[0].get('data_parallel'):
             return data_parallel_table(results)
+        if results and all(r.get('overheads') for r in results):
+            return overheads_table(results)
         return schedules_table(results)
     return timeline_table(loaded)
 
@@ -208,8 +348,9 @@ def main(args):
                          'Run python tools/results_table.py --readme.')  # fmt: skip
             print(f'{len(BLOCK.findall(text))} results blocks match their files.')
             return
+        rendered = render(text)  # before opening for writing: a missing file leaves it whole
         with open(README, 'w', encoding='utf-8') as f:
-            f.write(render(text))
+            f.write(rendered)
         print(f'{len(BLOCK.findall(text))} results blocks rewritten.')
         return
     print('\n'.join(table(args)))

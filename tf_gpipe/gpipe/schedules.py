@@ -258,17 +258,29 @@ class Simulation:
         return 1.0 - sum(self.busy) / (k * self.makespan) if self.makespan else 0.0
 
 
-def simulate(sched, forward=1.0, backward=None, weight=None):
+def simulate(sched, forward=1.0, backward=None, weight=None, transfer=None):
     """Runs the lists as a device would: in order, each action when its inputs exist.
 
-    Costs default to F = 1, B = 2 (B = W = 1 when the backward is split). A stage-micro-batch
-    is stored from its F until its last backward action (B, or W when split) ends.
+    Costs default to F = 1, B = 2 (B = W = 1 when the backward is split); each may be one number
+    for every stage or a sequence with one per stage (the planner's measured or predicted cell
+    times). `transfer(dep, action)`: the seconds a dependency's result takes to reach an action
+    on another device (it delays that action, not the sender). A stage-micro-batch is stored
+    from its F until its last backward action (B, or W when split) ends.
     """
     if backward is None:
         backward = 1.0 if sched.split_backward else 2.0
     if weight is None:
         weight = 1.0
-    cost = {FORWARD: forward, BACKWARD: backward, WEIGHT: weight}
+    per_stage = {}
+    for phase, c in ((FORWARD, forward), (BACKWARD, backward), (WEIGHT, weight)):
+        c = [float(c)] * sched.num_stages if isinstance(c, (int, float)) else list(c)
+        if len(c) != sched.num_stages:
+            raise ValueError(f'{phase} costs: {len(c)} given for {sched.num_stages} stages.')
+        per_stage[phase] = c
+
+    def cost(a):
+        return per_stage[a.phase][a.stage]
+
     times, pos = {}, [0] * sched.num_devices
     free_at = [0.0] * sched.num_devices
     total = sum(len(a) for a in sched.actions)
@@ -280,9 +292,14 @@ def simulate(sched, forward=1.0, backward=None, weight=None):
                 deps = dependencies(sched, a)
                 if not all(x in times for x in deps):
                     break
-                start = max([free_at[d]] + [times[x][1] for x in deps])
-                times[a] = (start, start + cost[a.phase])
-                free_at[d] = start + cost[a.phase]
+                ready = [
+                    times[x][1]
+                    + (transfer(x, a) if transfer and sched.device_of(x.stage) != d else 0.0)
+                    for x in deps
+                ]
+                start = max([free_at[d]] + ready)
+                times[a] = (start, start + cost(a))
+                free_at[d] = start + cost(a)
                 pos[d] += 1
                 progressed = True
         if not progressed:
@@ -304,7 +321,7 @@ def simulate(sched, forward=1.0, backward=None, weight=None):
             elif a.phase == last:
                 stored -= 1
         high.append(peak)
-    busy = tuple(sum(cost[a.phase] for a in acts) for acts in sched.actions)
+    busy = tuple(sum(cost(a) for a in acts) for acts in sched.actions)
     makespan = max(end for _, end in times.values())
     return Simulation(times, makespan, busy, tuple(high))
 
