@@ -127,10 +127,9 @@ def test_device_profiles_and_names():
 @pytest.mark.idle
 def test_predicted_peak_memory_is_within_15_percent_of_the_allocators():
     """The memory model against TF's BFC allocator on small K=1 cases (each in a fresh
-    process): kept activations under fill-drain and 1F1B, recompute, a Transformer."""
+    process): kept activations under fill-drain and 1F1B, a Transformer under recompute."""
     configs = [
         'fc:8:1024:1:1:gpipe:never',
-        'fc:8:1024:1:4:gpipe:always',
         'fc:8:1024:1:4:1f1b:never',
         'transformer:2:32:1:4:gpipe:always',
     ]

@@ -178,8 +178,27 @@ def test_readme_results_are_the_tools_output():
         'timeline_gpipe',
         'data_parallel',
         'data_parallel_8192',
+        'plan_check',
+        'paper_scale',
+        'plan_lm1b_tpu_v3',
+        'table2',
+        'overheads',
+        'max_model_size_transformer',
+        'fault_drill',
     ):
         assert any(f'docs/results/{name}.json' in b.split() for b in blocks), name
     # A stale block is caught: change one figure of the rendered text.
     changed = text.replace('| 2446 | 1.38 |', '| 2446 | 1.39 |', 1)
     assert changed != text and results_table.stale_blocks(changed)
+
+
+def test_results_table_leaves_the_readme_whole_when_a_file_is_missing(tmp_path, monkeypatch):
+    import results_table
+
+    readme = tmp_path / 'README.md'
+    text = 'intro\n<!-- results: docs/results/no_such_file.json -->\nold\n<!-- /results -->\n'
+    readme.write_text(text)
+    monkeypatch.setattr(results_table, 'README', str(readme))
+    with pytest.raises(FileNotFoundError, match='no_such_file.json'):
+        results_table.main(['--readme'])
+    assert readme.read_text() == text

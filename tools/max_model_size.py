@@ -164,9 +164,7 @@ def main(_):
         **bench_common.run_metadata(),
     )
     if OUTPUT.value:
-        os.makedirs(os.path.dirname(os.path.abspath(OUTPUT.value)), exist_ok=True)
-        with open(OUTPUT.value, 'w') as f:
-            json.dump(out, f, indent=1)
+        bench_common.write_json(OUTPUT.value, out)
     if JSON.value:
         print(json.dumps(out))
         return
