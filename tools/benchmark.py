@@ -372,7 +372,9 @@ def main(_):
 
     for name in SCHEDULES.value:
         schedules.build(name, 2, 2 * max(2, VIRTUAL.value))  # an unknown name: did you mean ...
-    results = [measure(f) for f in FAMILIES.value]
+    from bench_common import run_metadata
+
+    results = [dict(measure(f), **run_metadata()) for f in FAMILIES.value]
     if OUTPUT.value:
         from bench_common import write_json
 

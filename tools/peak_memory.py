@@ -162,7 +162,9 @@ def measure():
 
 
 def main(_):
-    result = measure()
+    from bench_common import run_metadata
+
+    result = dict(measure(), **run_metadata())
     if OUTPUT.value:
         from bench_common import write_json
 

@@ -288,6 +288,21 @@ def fault_drill_table(r):
 
 
 def table(paths):
+    """The markdown lines of `paths`, led by where and how they were measured when the files
+    say so and the table does not already."""
+    lines = _table(paths)
+    first = json.load(open(paths[0]))
+    meta = first[0] if isinstance(first, list) and first else first
+    if isinstance(meta, dict) and meta.get('command') and meta['command'] not in '\n'.join(lines):
+        lines = [
+            f'Written {meta.get("date", "")} on {meta.get("machine", "")}, TF '
+            f'{meta.get("tf_version", "")} (`{meta["command"]}`):',
+            '',
+        ] + lines
+    return lines
+
+
+def _table(paths):
     loaded = [json.load(open(p)) for p in paths]
     first = loaded[0]
     if isinstance(first, dict) and 'kill_log' in first:

@@ -198,6 +198,7 @@ def main(_):
         bubble_per_device=per_device,
         bubble_ideal=expected,
         output=OUTPUT.value,
+        **bench_common.run_metadata(),
     )
     if JSON.value:
         print(json.dumps(result))
