@@ -1,6 +1,6 @@
 """The planner against this machine: predicted vs measured peak memory per device and step time.
 
-    python tools/plan_check.py --output=docs/results/plan_check.json      # about 6 minutes
+    python tools/plan_check.py --output=docs/results/plan_check.json      # about 12 minutes
     python tools/plan_check.py --configs=fc:8:1024:2:4:gpipe:always --steps=3
     python tools/plan_check.py --repredict=docs/results/plan_check.json   # planner changed
 
@@ -132,7 +132,8 @@ def _run_local(config):
 def _run_child(config, link):
     """One configuration on fresh workers: layer times first, then the step and its peaks."""
     import numpy as np
-    from bench_common import build, family_layers, median_times
+    from bench_common import build, family_layers
+    from bench_common import seconds as seconds_of
 
     from tf_gpipe import local_cluster
     from tf_gpipe.planning import measure
@@ -149,7 +150,9 @@ def _run_child(config, link):
         devices = cluster.devices()[:k]
         model = build(sub, shape, devices, m, recompute, schedule=schedule)
         step = _step(model, shape, batch, devices[0])
-        times = [median_times([step], 1, warmup=2 if i == 0 else 0)[0] for i in range(STEPS.value)]
+        for _ in range(2):  # trace and warm up
+            seconds_of(step)
+        times = [seconds_of(step) for _ in range(STEPS.value)]
         peaks = cluster.memory_peaks()[:k]
     finally:
         cluster.stop()
@@ -211,9 +214,10 @@ def main(_):
         for row in result['rows']:
             seconds = row.get('layer_seconds')
             row['predicted'] = _prediction(_predict(row['config'], seconds, link))
-        with open(REPREDICT.value, 'w') as f:
-            json.dump(result, f, indent=1)
+        from bench_common import write_json
         from results_table import plan_check_table
+
+        write_json(REPREDICT.value, result)
 
         print('\n'.join(plan_check_table(result)))
         return

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 
 from tf_gpipe import base_layer
-from tf_gpipe.gpipe import partition, schedules
+from tf_gpipe.gpipe import executor, partition, schedules
 
 RECOMPUTE = ('always', 'except_last', 'never')
 FLOAT32 = 4
@@ -136,7 +136,7 @@ def _cells(sub, metas, input_bytes, k, v, m, partition_by):
     return cells
 
 
-def _stage_memory(d, mine, holdings, schedule, recompute, optimizer_slots, input_bytes, m):
+def _stage_memory(d, mine, holdings, recompute, optimizer_slots, input_bytes, m):
     params = sum(c['params'] for c in mine)
     never = recompute == 'never'
 
@@ -173,9 +173,7 @@ def _stage_memory(d, mine, holdings, schedule, recompute, optimizer_slots, input
 
 def _stage_times(cells, device, layer_seconds, sched, recompute):
     """Per stage: F, B (and W) seconds of one micro-batch, and the hand-off between devices."""
-    from tf_gpipe.gpipe import executor  # the engine's own rule for which micro-batches it keeps
-
-    kept = executor.kept_micro_batches(sched, recompute)
+    kept = executor.kept_micro_batches(sched, recompute)  # the engine's own rule
     m = sched.num_micro_batches
     forward, backward, weight = [], [], []
     for s, c in enumerate(cells):
@@ -197,7 +195,8 @@ def _stage_times(cells, device, layer_seconds, sched, recompute):
 
     def transfer(dep, action):
         # F(s) gets cell s-1's output; B(s) gets the gradient of cell s+1's input (its size).
-        size = cells[dep.stage]['output'] if action.phase == 'F' else cells[dep.stage]['boundary']
+        forward = action.phase == schedules.FORWARD
+        size = cells[dep.stage]['output' if forward else 'boundary']
         return size / device.link_bytes_per_second + device.link_latency_seconds
 
     return forward, backward, weight or None, transfer
@@ -241,7 +240,6 @@ def plan(
             d,
             [c for s, c in enumerate(cells) if sched.device_of(s) == d],
             holdings[d],
-            schedule,
             recompute,
             optimizer_slots,
             input_bytes,

@@ -7,6 +7,34 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 SCHEDULES = ('gpipe', '1f1b', 'zero_bubble')
 
 
+def _plans(sub, input_shape, num_devices, device, configs, optimizer_slots, layer_seconds=None):
+    """One plan per config (M, schedule, recompute[, partition_by]; an M above the batch is an
+    error), the layers' metas computed once, `layer_seconds(M)` (if given) once per M."""
+    metas = partition.layer_metas(sub, input_shape)
+    seconds = {}
+    plans = []
+    for config in configs:
+        m, schedule, recompute, by = (tuple(config) + ('flops',))[:4]
+        if layer_seconds and m not in seconds:
+            seconds[m] = layer_seconds(m)
+        plans.append(
+            predict.plan(
+                sub,
+                input_shape,
+                num_devices,
+                m,
+                device,
+                schedule,
+                recompute,
+                optimizer_slots,
+                partition_by=by,
+                metas=metas,
+                layer_seconds=seconds.get(m),
+            )  # fmt: skip
+        )
+    return plans
+
+
 def recommend(
     sub,
     input_shape,
@@ -20,55 +48,19 @@ def recommend(
 
     `layer_seconds`: None, or a function of M giving per-layer (forward, backward) seconds of
     one micro-batch (measured on this machine: planning.measure.layer_seconds)."""
-    batch = int(input_shape[0])
-    metas = partition.layer_metas(sub, input_shape)
-    options = micro_batches or [m for m in MICRO_BATCHES if m <= batch]
-    plans = []
-    for m in options:
-        seconds = layer_seconds(m) if layer_seconds else None
-        for schedule in SCHEDULES:
-            if num_devices == 1 and schedule != 'gpipe':
-                continue  # one device: every schedule is the same sequence
-            for recompute in predict.RECOMPUTE:
-                plans.append(
-                    predict.plan(
-                        sub,
-                        input_shape,
-                        num_devices,
-                        m,
-                        device,
-                        schedule,
-                        recompute,
-                        optimizer_slots,
-                        metas=metas,
-                        layer_seconds=seconds,
-                    )
-                )
+    options = micro_batches or [m for m in MICRO_BATCHES if m <= int(input_shape[0])]
+    # One device: every schedule is the same sequence.
+    names = SCHEDULES if num_devices > 1 else ('gpipe',)
+    configs = [(m, s, r) for m in options for s in names for r in predict.RECOMPUTE]
+    plans = _plans(sub, input_shape, num_devices, device, configs, optimizer_slots, layer_seconds)
     return sorted(plans, key=lambda p: (not p.fits(device), -p.examples_per_second, p.peak))
 
 
 def smallest_peak(sub, input_shape, num_devices, device, configs, optimizer_slots=1):
     """The plan of least peak among `configs`: (M, schedule, recompute[, partition_by]) each
     (partition_by 'flops' when not given; 'params' spreads the weights and their slots)."""
-    metas = partition.layer_metas(sub, input_shape)
-    plans = []
-    for config in configs:
-        m, schedule, recompute, by = (tuple(config) + ('flops',))[:4]
-        if m <= input_shape[0]:
-            plans.append(
-                predict.plan(
-                    sub,
-                    input_shape,
-                    num_devices,
-                    m,
-                    device,
-                    schedule,
-                    recompute,
-                    optimizer_slots,
-                    partition_by=by,
-                    metas=metas,
-                )  # fmt: skip
-            )
+    usable = [c for c in configs if c[0] <= input_shape[0]]  # a small batch takes fewer M
+    plans = _plans(sub, input_shape, num_devices, device, usable, optimizer_slots)
     return min(plans, key=lambda p: p.peak)
 
 
