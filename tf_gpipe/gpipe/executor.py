@@ -133,7 +133,9 @@ class Executor:
             x = self._Ordered(s, self._inputs[(s, m)])
             t0 = trace.start(x, runner.device)
             if (s, m) in self.kept_set:
-                y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
+                y, self._kept[(s, m)] = runner.ForwardKeep(
+                    x, targets, self.step, self._Mb(m), persistent=self.sched.split_backward
+                )
             else:
                 with _stop_recording():
                     y = runner.Forward(x, targets, self.step, self._Mb(m))

@@ -248,24 +248,20 @@ class CellRunner:
         """The cell's outputs for one micro-batch; no activations are kept."""
         return self._forward(inputs, targets, step, micro_batch, training)
 
-    def ForwardKeep(self, inputs, targets, step, micro_batch):
-        """Forward whose activations are kept on a tape, for `BackwardKept` / `SplitBackward`."""
-        tape = tf.GradientTape(persistent=True)
-        ops = None
+    def ForwardKeep(self, inputs, targets, step, micro_batch, persistent=False):
+        """Forward whose activations are kept, for `BackwardKept` / `SplitBackward`.
+
+        The same non-inlined call as `Forward`, recorded by a tape of its own: TF rewrites the
+        call to also return what its backward needs, and the backward is one more call of a
+        function TF derives once per cell (not the cell's ops inlined per micro-batch). A
+        persistent tape (read twice: zero-bubble's B, then W) makes TF return every
+        intermediate from the call, each with a zero gradient: only when the split needs it."""
+        tape = tf.GradientTape(persistent=persistent)
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
-            if self._jit or tf.executing_eagerly():
-                outputs = self._forward(inputs, targets, step, micro_batch, True)
-            else:
-                # Kept activations need no call boundary: the cell's ops go straight into the
-                # step's graph, where TF optimises forward and backward together (as for the
-                # plain sequence). The inputs already wait for the device's previous action.
-                graph = tf.compat.v1.get_default_graph()
-                first = len(graph.get_operations())
-                outputs = self._Forward(inputs, targets, step, micro_batch, True)
-                ops = graph.get_operations()[first:]
-        return outputs, (tape, sources, outputs, ops)
+            outputs = self._forward(inputs, targets, step, micro_batch, True)
+        return outputs, (tape, sources, outputs, None)
 
     def BackwardKept(self, kept, output_grads, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) from a ForwardKeep's tape."""
