@@ -12,8 +12,11 @@ What an action keeps, and when it is freed:
 - B(s, m) turns the output gradient into the input gradient for stage s-1 and, unless the
   schedule splits the backward, the variables' gradients, which go straight into the
   per-variable sums (ownership.py). W(s, m) adds the variables' gradients alone: for a kept
-  micro-batch from the gradients B left at each weight's uses (weight_gradients.py), for a
+  micro-batch from the gradients B left at each weight's uses (split_functions.py), for a
   recomputed one by recomputing the cell (exact, not cheaper).
+
+Every action is a few calls and ordering identities in the step's program, whatever the
+cell's size: the program grows by a constant per micro-batch (tests/test_step_size.py).
 
 Which micro-batches are recomputed: 'always' all, 'never' none, 'except_last' every one whose
 backward is not the very next action after its forward on that device — under fill-drain the
@@ -132,10 +135,10 @@ class Executor:
         with distribute.on(runner.device):
             x = self._Ordered(s, self._inputs[(s, m)])
             t0 = trace.start(x, runner.device)
-            if (s, m) in self.kept_set:
-                y, self._kept[(s, m)] = runner.ForwardKeep(
-                    x, targets, self.step, self._Mb(m), persistent=self.sched.split_backward
-                )
+            if (s, m) in self.kept_set and self.sched.split_backward:
+                y, self._kept[(s, m)] = runner.ForwardSplit(x, targets, self.step, self._Mb(m))
+            elif (s, m) in self.kept_set:
+                y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
             else:
                 with _stop_recording():
                     y = runner.Forward(x, targets, self.step, self._Mb(m))
@@ -179,7 +182,7 @@ class Executor:
             if split and kept is not None:
                 # Kept forward: B stops at the weights' uses, W finishes them locally.
                 d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x)
-                self._w_state[(s, m)] = ('split', w_state) if w_state else ('kept', dy)
+                self._w_state[(s, m)] = ('split', w_state) if w_state else ('done', None)
                 point_grads = w_state[1] if w_state else []
             else:
                 if split:
@@ -205,12 +208,15 @@ class Executor:
         how, state = self._w_state.pop((s, m))
         with distribute.on(runner.device):
             x, kept = self._Stored(s, m, final=True)
+            if how == 'done':  # B computed every weight gradient already: nothing to order
+                previous = self._last.get(self._Device(s))
+                trace.end(trace.start(previous, runner.device), WEIGHT, s, m, previous)
+                return
             if how == 'split':
-                uses, point_grads = state
-                point_grads = self._Ordered(s, point_grads)
-                t0 = trace.start(point_grads, runner.device)
-                d_vars = runner.SplitWeights((uses, point_grads))
-                token = point_grads
+                # One scalar waits for the device's previous action, not each of W's inputs.
+                token = self._Ordered(s, tf.zeros([], tf.int32))
+                t0 = trace.start([token, state[1]], runner.device)
+                d_vars = runner.SplitWeights(state, token)
             else:  # re-derives the chain: from the kept tape, or by recomputing
                 dy = self._Ordered(s, state)
                 t0 = trace.start(dy, runner.device)

@@ -12,9 +12,11 @@ cell's device:
   keep its activations alive past it. This is what bounds the peak memory, with Grappler left
   on for the rest of the user's program.
 
-A micro-batch whose activations are kept needs no boundary: its forward ops go straight into
-the step's graph, under a tape of its own, where TF optimises them with their gradient as in a
-plain sequence. Only under XLA (jit_compile) is it a call too.
+A micro-batch whose activations are kept is the same forward call under a tape of its own:
+TF rewrites that call to also return what its backward needs, and the backward is one call of
+a function TF derives once per cell. Zero-bubble's split of a kept forward is three calls cut
+from one trace (split_functions.py). Either way a micro-batch adds calls to the step's program,
+never the cell's ops: the program does not grow with M beyond a constant per action.
 
 The variables a cell differentiates are the ones its forward *reads* (the tape's watched
 variables), not the ones it owns: a tied softmax in the last cell reads the embedding of the
@@ -27,7 +29,7 @@ function returns (outputs, weighted loss, weight) and its backward starts from d
 import tensorflow as tf
 
 from tf_gpipe import distribute, fprop_context
-from tf_gpipe.gpipe import weight_gradients
+from tf_gpipe.gpipe import split_functions, weight_gradients
 
 # Ops that change a variable: one of them in a recompute means the forward changes state, and
 # the recompute would change it again.
@@ -116,6 +118,7 @@ class CellRunner:
         self.index = index
         self.head = head  # LossHead on the last cell of a ComputeGradients pipeline
         self._read = []  # variables the forward reads, append-only (see _NoteRead)
+        self._split = {}  # input signature -> split_functions.SplitFunctions or None
         self._jit = bool(jit_compile)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
@@ -253,9 +256,9 @@ class CellRunner:
 
         The same non-inlined call as `Forward`, recorded by a tape of its own: TF rewrites the
         call to also return what its backward needs, and the backward is one more call of a
-        function TF derives once per cell (not the cell's ops inlined per micro-batch). A
-        persistent tape (read twice: zero-bubble's B, then W) makes TF return every
-        intermediate from the call, each with a zero gradient: only when the split needs it."""
+        function TF derives once per cell (not the cell's ops inlined per micro-batch). The
+        tape is read once unless `persistent`: a persistent tape makes TF return every
+        intermediate from the call, each given a zero gradient in the step's program."""
         tape = tf.GradientTape(persistent=persistent)
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
@@ -271,31 +274,53 @@ class CellRunner:
             d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
         return d_x, list(zip(variables, d_v)) if d_v else []
 
+    def ForwardSplit(self, inputs, targets, step, micro_batch):
+        """Zero-bubble's forward of a kept micro-batch: (outputs, state for SplitBackward).
+
+        Three calls cut from one trace (split_functions.py) where the graph allows; eager, XLA,
+        a tf.distribute strategy or ordered state in the forward fall back to a tape, whose B
+        then computes the weight gradients too (exact; the W that follows has nothing to do)."""
+        fns = None
+        if not (self._jit or tf.executing_eagerly() or tf.distribute.has_strategy()):
+            key = tuple(
+                (tuple(t.shape), t.dtype) if t is not None else None
+                for t in tf.nest.flatten((inputs, targets))
+            ) + (str(tf.nest.map_structure(lambda _: 0, (inputs, targets))),)
+            if key not in self._split:
+                self._split[key] = split_functions.build(self, inputs, targets, step, micro_batch)
+            fns = self._split[key]
+        if fns is None:
+            return self.ForwardKeep(inputs, targets, step, micro_batch)
+        flat = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
+        outputs, residuals = fns.Forward(flat + [step, micro_batch])
+        return outputs, (fns, residuals)
+
     def SplitBackward(self, kept, output_grads, want_inputs):
         """Zero-bubble's B on a kept forward: (d_float_inputs, [(variable, d_variable)] of the
-        variables that are not split, state for `SplitWeights`). See weight_gradients.py."""
-        tape, sources, outputs, ops = kept
-        if ops is None:  # eager / XLA: no graph to split; W walks the tape (BackwardKept)
-            d_x = self.BackwardKept(kept, output_grads, 'inputs')[0] if want_inputs else []
-            return d_x, [], None
-        variables = self._NoteRead(tape.watched_variables())
+        variables B computes, state for `SplitWeights` or None)."""
+        if not isinstance(kept[0], split_functions.SplitFunctions):  # a tape: B does it all
+            d_x, d_vars = self.BackwardKept(
+                kept, output_grads, 'all' if want_inputs else 'variables'
+            )
+            return d_x, d_vars, None
+        fns, residuals = kept
+        flat_dys = []
+        if self.head is None:
+            for y, dy in zip(fns.flat_outputs, tf.nest.flatten(output_grads)):
+                if y.dtype.is_floating:
+                    flat_dys.append(
+                        tf.zeros(tf.shape(y), y.dtype) if dy is None else tf.cast(dy, y.dtype)
+                    )
         with distribute.on(self.device):
-            uses = weight_gradients.Uses(ops, variables)
-            sources = sources if want_inputs else []
-            points = uses.Tensors()
-            targets = sources + points + uses.unsplit
-            ys, dys = self._Targets(outputs, output_grads)
-            grads = tape.gradient(ys, targets, output_gradients=dys) if targets else []
-            n, p = len(sources), len(points)
-            d_x = [_zeros_if_none(g, x) for g, x in zip(grads[:n], sources)]
-            d_unsplit = [_zeros_if_none(g, v) for g, v in zip(grads[n + p :], uses.unsplit)]
-        return d_x, list(zip(uses.unsplit, d_unsplit)), (uses, list(grads[n : n + p]))
+            d_x, d_unsplit, w_feeds = fns.Backward(residuals, flat_dys, want_inputs)
+        return d_x, list(zip(fns.unsplit_variables, d_unsplit)), (fns, w_feeds)
 
-    def SplitWeights(self, state):
-        """Zero-bubble's W after `SplitBackward`: [(variable, d_variable)] of the split ones."""
-        uses, point_grads = state
+    def SplitWeights(self, state, token):
+        """Zero-bubble's W after `SplitBackward`, once `token` exists: [(variable, d_variable)]
+        of the split variables."""
+        fns, w_feeds = state
         with distribute.on(self.device):
-            return uses.WeightGradients(point_grads)
+            return list(zip(fns.split_variables, fns.Weights(token, w_feeds)))
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""

@@ -6,7 +6,7 @@ action, an Event whose `start` and `end` are `tf.timestamp()` tensors on the cel
 step to read the times. Outside `record()` nothing is added.
 
 The trace is an observer: it adds stamps beside the program and changes nothing in it (same
-calls, same outputs, kept forwards still inline). One subtlety: tf.function chains every
+calls, same outputs). One subtlety: tf.function chains every
 stateful op that touches no resource (`Timestamp` among them) in program order, across
 devices, so a plain stamp would wait for the stamp before it, maybe for another device's work.
 Each stamp is therefore a small function call that takes a resource it only holds (a per-device

@@ -1,0 +1,57 @@
+"""The step's program does not grow with M beyond a constant per micro-batch, whatever L.
+
+Counted, not timed: the nodes of a traced `ComputeGradients` step (outer graph; the function
+library holds each cell's F, B and W once) at two M and two L, for every schedule and policy.
+A cell body inlined per micro-batch (the engine before v3) adds nodes per micro-batch in
+proportion to the layers, and fails here.
+"""
+
+import pytest
+import tensorflow as tf
+
+from tf_gpipe import gpipe, layers
+
+K = 2
+
+
+def _pipe(num_layers, m, schedule, policy):
+    fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
+    sub = [fc.Copy().Set(name=f'fc{i}') for i in range(num_layers)]
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=sub,
+            num_partitions=K,
+            partition_by='uniform',
+            num_micro_batches=m,
+            recompute=policy,
+            schedule=schedule,
+            virtual_stages=v,
+        )
+        .Instantiate()
+    )
+
+
+def _nodes(num_layers, m, schedule, policy):
+    pipe = _pipe(num_layers, m, schedule, policy)
+    x = tf.ones([2 * m, 4])
+
+    def step():
+        return pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y * y))
+
+    graph = tf.function(step).get_concrete_function().graph.as_graph_def()
+    return len(graph.node)
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'])
+@pytest.mark.parametrize('policy', ['never', 'except_last', 'always'])
+def test_nodes_per_micro_batch_do_not_depend_on_the_layers(schedule, policy):
+    few, many = 4, 12  # layers (per cell: 1 and 3 under interleaving, 2 and 6 otherwise)
+    counts = {(n, m): _nodes(n, m, schedule, policy) for n in (few, many) for m in (2, 4)}
+    per_mb_few = (counts[few, 4] - counts[few, 2]) / 2
+    per_mb_many = (counts[many, 4] - counts[many, 2]) / 2
+    # Each action adds a call and a few ordering ops: a constant, the same for 4 and 12 layers.
+    assert per_mb_many == per_mb_few, counts
+    assert per_mb_few <= 40 * K, counts  # a small constant per micro-batch, not a cell body

@@ -1,0 +1,240 @@
+"""Zero-bubble's F, B and W of a kept micro-batch as three traced calls, pruned from one trace.
+
+One trace of the cell holds its forward, B (the output gradient back to the inputs and to the
+weights' uses, see weight_gradients.py) and W (the uses' gradients to the weights, one local op
+per use). `tf.compat.v1.wrap_function(...).prune` cuts it into three functions:
+
+- F: inputs -> outputs, plus the residuals: every forward tensor that B or W reads;
+- B: residuals and output gradients -> input gradients, the unsplit variables' gradients and
+  what W reads of B's work (the uses' output gradients);
+- W: what W reads -> the split variables' gradients.
+
+So a kept micro-batch adds three calls to the step, whatever the cell's size, and W stays
+local. Built once per cell and input signature.
+
+`wrap_function` adds no automatic control dependencies, so the cut is refused (`build` returns
+None and the caller falls back to an unsplit B) when the forward writes a resource that it also
+reads: only then does the order of its stateful ops matter. Writes nobody reads in the forward
+(batch norm's accumulators) run as F's control outputs.
+"""
+
+import tensorflow as tf
+
+from tf_gpipe import distribute
+from tf_gpipe.gpipe import weight_gradients
+
+_NOINLINE = {'_noinline': True}
+
+
+def _is_float(x):
+    return isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating
+
+
+def _frontier(ops):
+    """Tensors the ops read that none of them produces, in first-use order."""
+    inside, seen, out = set(ops), set(), []
+    for op in ops:
+        for t in op.inputs:
+            if t.op not in inside and t.ref() not in seen:
+                seen.add(t.ref())
+                out.append(t)
+    return out
+
+
+def _call(function):
+    """`function` (a pruned concrete function) behind a non-inlined call of its own."""
+    return tf.function(lambda *args: function(*args), autograph=False, **_ATTRS)
+
+
+def _call_after(function):
+    """Like `_call`, with a first argument the call waits for (its other inputs may all be
+    ready long before: the executor orders a device's actions through it)."""
+
+    def run(token, *args):
+        with tf.control_dependencies([token]):
+            args = [tf.identity(a) for a in args]
+        return function(*args)
+
+    return tf.function(run, autograph=False, **_ATTRS)
+
+
+_ATTRS = dict(experimental_attributes=_NOINLINE)
+
+
+class SplitFunctions:
+    """F, B and W of one cell for one input signature (see the module docstring)."""
+
+    def __init__(self, wrapped, parts):
+        self._wrapped = wrapped
+        self._parts = parts
+        self.flat_outputs = tf.nest.flatten(parts['outputs'])
+        self.split_variables = parts['uses'].split
+        self.unsplit_variables = parts['uses'].unsplit
+        args, residuals = parts['args'], parts['residuals']
+        arg_index = {t.ref(): i for i, t in enumerate(args)}
+        # Residuals that are arguments are fed from the arguments, not returned by F.
+        self._residual_args = [arg_index.get(t.ref()) for t in residuals]
+        fetched = [t for t in residuals if t.ref() not in arg_index]
+        self._num_fetched = len(fetched)
+        self.forward = _call(wrapped.prune(args, self.flat_outputs + fetched + parts['stateful']))
+        self._backward = {}
+        w_fetch = parts['d_split']
+        self.weights = _call_after(wrapped.prune(parts['w_feeds'], w_fetch)) if w_fetch else None
+
+    def Forward(self, flat_args):
+        """(outputs, residuals) of one micro-batch."""
+        results = _as_list(self.forward(*flat_args))
+        n = len(self.flat_outputs)
+        outputs = tf.nest.pack_sequence_as(self._parts['outputs'], results[:n])
+        fetched = iter(results[n : n + self._num_fetched])
+        residuals = [flat_args[i] if i is not None else next(fetched) for i in self._residual_args]
+        return outputs, residuals
+
+    def _Backward(self, want_inputs):
+        """B as a pruned call: (d_x if wanted, d_unsplit, what W reads of B's work)."""
+        if want_inputs not in self._backward:
+            p = self._parts
+            fetch = (p['d_x'] if want_inputs else []) + p['d_unsplit'] + p['b_to_w']
+            fn = _call(self._wrapped.prune(p['residuals'] + p['dy_phs'], fetch)) if fetch else None
+            self._backward[want_inputs] = fn
+        return self._backward[want_inputs]
+
+    def Backward(self, residuals, flat_dys, want_inputs):
+        """(d_x, d_unsplit, W's feeds) from the residuals and the output gradients."""
+        p = self._parts
+        fn = self._Backward(want_inputs)
+        results = _as_list(fn(*(list(residuals) + list(flat_dys)))) if fn is not None else []
+        n_x = len(p['d_x']) if want_inputs else 0
+        n_u = len(p['d_unsplit'])
+        d_x, d_unsplit, b_to_w = results[:n_x], results[n_x : n_x + n_u], results[n_x + n_u :]
+        known = dict(zip([t.ref() for t in p['b_to_w']], b_to_w))
+        known.update(zip([t.ref() for t in p['residuals']], residuals))
+        known.update(zip([t.ref() for t in p['dy_phs']], flat_dys))
+        return d_x, d_unsplit, [known[t.ref()] for t in p['w_feeds']]
+
+    def Weights(self, token, w_feeds):
+        """The split variables' gradients from W's feeds, once `token` exists."""
+        return _as_list(self.weights(token, *w_feeds)) if self.weights is not None else []
+
+
+def _as_list(results):
+    return list(results) if isinstance(results, list | tuple) else [results]
+
+
+def build(runner, inputs, targets, step, micro_batch):
+    """SplitFunctions of `runner`'s cell for these arguments, or None when the forward's
+    stateful ops need an order (see the module docstring)."""
+    flat_args = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
+    flat_args += [step, micro_batch]
+    specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)) for t in flat_args]
+    parts = {}
+
+    def body(*placeholders):
+        args = list(placeholders)
+        it = iter(args[:-2])
+        ins, tgts = tf.nest.map_structure(
+            lambda t: None if t is None else next(it), (inputs, targets)
+        )
+        step_ph, mb_ph = args[-2:]
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        with distribute.on(runner.device), runner._Scope(step_ph, mb_ph):
+            with tf.GradientTape() as tape:
+                sources = [x for x in tf.nest.flatten(ins) if _is_float(x)]
+                tape.watch(sources)
+                outputs = runner._Run(ins, tgts)
+            fwd_ops = graph.get_operations()[first:]
+            variables = runner._NoteRead(tape.watched_variables())
+            uses = weight_gradients.Uses(fwd_ops, variables)
+            points = uses.Tensors()
+            b_first = len(graph.get_operations())
+            if runner.head is not None:  # d (weighted loss) = 1
+                ys, dys, dy_phs = [outputs[1]], [tf.ones([])], []
+            else:
+                ys = [y for y in tf.nest.flatten(outputs) if _is_float(y)]
+                dy_phs = [tf.compat.v1.placeholder(y.dtype, y.shape) for y in ys]
+                dys = dy_phs
+            targets_ = sources + points + uses.unsplit
+            grads = tape.gradient(ys, targets_, output_gradients=dys) if targets_ else []
+            n, p = len(sources), len(points)
+            d_x = [_zeros_if_none(g, x) for g, x in zip(grads[:n], sources)]
+            d_unsplit = [_zeros_if_none(g, v) for g, v in zip(grads[n + p :], uses.unsplit)]
+            w_first = len(graph.get_operations())
+            d_split = [g for _, g in uses.WeightGradients(list(grads[n : n + p]))]
+            w_last = len(graph.get_operations())
+        all_ops = graph.get_operations()
+        parts.update(
+            args=args,
+            outputs=outputs,
+            fwd_ops=fwd_ops,
+            b_ops=all_ops[b_first:w_first],
+            w_ops=all_ops[w_first:w_last],
+            dy_phs=dy_phs,
+            d_x=d_x,
+            d_unsplit=d_unsplit,
+            d_split=d_split,
+            uses=uses,
+        )
+        return list(tf.nest.flatten(outputs)) + d_x + d_unsplit + d_split
+
+    wrapped = tf.compat.v1.wrap_function(body, specs)
+    fwd_ops = parts['fwd_ops']
+    if _writes_read_resources(fwd_ops):
+        return None
+    fwd_side = set(fwd_ops) | {t.op for t in parts['args']}
+    b_side = set(parts['b_ops'])
+    captures = {t.ref() for t in wrapped.graph.internal_captures}
+    b_reads = [t for t in _frontier(parts['b_ops']) if t.ref() not in captures]
+    w_feeds = [t for t in _frontier(parts['w_ops']) if t.ref() not in captures]
+    if any(t.op not in fwd_side and t.op not in b_side for t in b_reads + w_feeds):
+        return None  # a tensor from outside the trace: no clean cut
+    residuals, seen = [], set()
+    for t in b_reads + w_feeds:
+        if t.op in fwd_side and t.ref() not in seen:
+            seen.add(t.ref())
+            residuals.append(t)
+    dy_refs = {t.ref() for t in parts['dy_phs']}
+    parts.update(
+        residuals=residuals,
+        w_feeds=w_feeds,
+        b_to_w=[t for t in w_feeds if t.op in b_side and t.ref() not in dy_refs],
+        stateful=[op for op in fwd_ops if op.type in _WRITE_OPS],
+    )
+    return SplitFunctions(wrapped, parts)
+
+
+_WRITE_OPS = frozenset(
+    [
+        'AssignVariableOp',
+        'AssignAddVariableOp',
+        'AssignSubVariableOp',
+        'ResourceScatterUpdate',
+        'ResourceScatterAdd',
+        'ResourceScatterSub',
+        'ResourceScatterMul',
+        'ResourceScatterDiv',
+        'ResourceScatterMin',
+        'ResourceScatterMax',
+        'ResourceScatterNdUpdate',
+        'ResourceScatterNdAdd',
+        'ResourceScatterNdSub',
+        'ResourceStridedSliceAssign',
+    ]
+)
+
+
+def _writes_read_resources(ops):
+    """Whether some op writes a resource that another op of the forward also touches."""
+    written = {op.inputs[0].ref() for op in ops if op.type in _WRITE_OPS and op.inputs}
+    if not written:
+        return False
+    touching = {}
+    for op in ops:
+        for t in op.inputs:
+            if t.ref() in written:
+                touching.setdefault(t.ref(), set()).add(op)
+    return any(len(users) > 1 for users in touching.values())
+
+
+def _zeros_if_none(grad, like):
+    return tf.zeros_like(like) if grad is None else tf.convert_to_tensor(grad)
