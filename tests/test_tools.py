@@ -202,3 +202,43 @@ def test_results_table_leaves_the_readme_whole_when_a_file_is_missing(tmp_path, 
     with pytest.raises(FileNotFoundError, match='no_such_file.json'):
         results_table.main(['--readme'])
     assert readme.read_text() == text
+
+
+def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
+    """tools/startup.py at the smallest scale: every (K, L, M) in its own process, the plain
+    step measured there too, the summary's ratios and growth per micro-batch from the rows."""
+    out = tmp_path / 'startup.json'
+    printed = _run(
+        [
+            'tools/startup.py',
+            '--num_stages=2',
+            '--layers=2',
+            '--micro_batches=2,4',
+            '--schedules=1f1b,zero_bubble',
+            '--steps=1',
+            '--batch_size=8',
+            f'--output={out}',
+        ],
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    assert result['command'].startswith('python tools/startup.py')
+    kinds = sorted((r['kind'], r['schedule'], r['num_micro_batches']) for r in result['rows'])
+    assert kinds == [
+        ('pipeline', '1f1b', 2),
+        ('pipeline', '1f1b', 4),
+        ('pipeline', 'zero_bubble', 2),
+        ('pipeline', 'zero_bubble', 4),
+        ('plain', '', 2),
+        ('plain', '', 4),
+    ]
+    for r in result['rows']:
+        assert r['startup_s'] == pytest.approx(r['trace_s'] + r['first_call_s'])
+        assert r['outer_nodes'] > 0 and r['steady_s'] > 0
+    rows = {(r['schedule'], r['num_micro_batches']): r for r in result['rows']}
+    for s in result['summary']:
+        two, four = rows[s['schedule'], 2], rows[s['schedule'], 4]
+        assert s['nodes_per_micro_batch'] == (four['outer_nodes'] - two['outer_nodes']) / 2
+        assert s['growth'] == pytest.approx(four['startup_s'] / two['startup_s'])
+        assert s['vs_plain'] == pytest.approx(four['startup_s'] / rows['', 4]['startup_s'])
+    assert '| 2 | 2 | zero_bubble |' in printed

@@ -3,6 +3,7 @@ inspect, and clear errors for a misspelt model or override."""
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -53,6 +54,7 @@ def test_train_eval_resume(tmp_path):
     assert 'steps/s' in run.stderr and 'examples/s' in run.stderr
     # Progress: the tracing announced, then percentage and ETA on each log line.
     assert 'Tracing the training step' in run.stderr and 'First step done in' in run.stderr
+    assert re.search(r'Traced the training step in [\d.]+ s: \d+ ops in the step', run.stderr)
     assert '  50%  ETA ' in run.stderr and '  100%' in run.stderr
     assert sorted(os.path.basename(p) for p in glob.glob(f'{logdir}/checkpoints/ckpt-*.index')) == [
         'ckpt-20.index',

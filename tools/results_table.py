@@ -302,9 +302,38 @@ def table(paths):
     return lines
 
 
+def startup_table(result):
+    """tools/startup.py: start-up (trace + first call) per M against the plain sequence's."""
+    summary = result['summary']
+    ms = sorted({int(m) for s in summary for m in s['startup_s']})
+    lines = [
+        f'{result["model"]}, recompute={result["recompute"]}; start-up = trace + first call '
+        'of a training step (loss and gradients), each (K, L, M) in a fresh process, one run:',
+        '',
+        '| L | K | schedule | '
+        + ' | '.join(f'start-up s, M={m}' for m in ms)
+        + ' | M=max / M=min | vs plain at M=max | plain s | nodes per extra micro-batch '
+        '| steady ms (plain) |',
+        '|---|---|---|' + '---|' * len(ms) + '---|---|---|---|---|',
+    ]
+    for s in summary:
+        cells = ' | '.join(
+            f'{s["startup_s"][str(m)]:.1f}' if str(m) in s['startup_s'] else '' for m in ms
+        )
+        per_mb = '' if s['nodes_per_micro_batch'] is None else f'{s["nodes_per_micro_batch"]:.0f}'
+        lines.append(
+            f'| {s["layers"]} | {s["num_stages"]} | {s["schedule"]} | {cells} | '
+            f'{s["growth"]:.2f} | {s["vs_plain"]:.2f} | {s["plain_startup_s"]:.1f} | {per_mb} | '
+            f'{s["steady_ms"]:.0f} ({s["plain_steady_ms"]:.0f}) |'
+        )
+    return lines
+
+
 def _table(paths):
     loaded = [json.load(open(p)) for p in paths]
     first = loaded[0]
+    if isinstance(first, dict) and first.get('startup'):
+        return startup_table(first)
     if isinstance(first, dict) and 'kill_log' in first:
         return fault_drill_table(first)
     if isinstance(first, dict) and 'table1' in first:

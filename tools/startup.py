@@ -1,0 +1,218 @@
+"""Start-up of a pipelined training step against the plain layer sequence's: trace, first call,
+graph size and steady step, over K, M, L and the schedules.
+
+    python tools/startup.py --output=docs/results/startup.json
+    python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
+
+Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
+sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
+Transformer stack (d=32, 2 heads, hidden 64, batch 64 x 16 tokens). Per step: trace seconds
+(`get_concrete_function`), first-call seconds, nodes of the outer graph and of its function
+library, and the steady step (median of --steps calls). Printed: start-up (trace + first call)
+per M, its growth from the smallest to the largest M, the ratio to the plain step's at the
+largest M, and the nodes each extra micro-batch adds.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '3')
+
+from absl import app, flags  # noqa: E402
+
+STAGES = flags.DEFINE_list('num_stages', ['2', '4', '8'], 'K values.')
+MICRO = flags.DEFINE_list('micro_batches', ['4', '8', '16', '32'], 'M values.')
+LAYERS = flags.DEFINE_list('layers', ['8', '16', '64'], 'L values (Transformer layers).')
+SCHEDULES = flags.DEFINE_list(
+    'schedules', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'], 'Schedules.'
+)
+POLICY = flags.DEFINE_enum(
+    'recompute', 'except_last', ['always', 'except_last', 'never'], 'Recompute policy.'
+)
+STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
+BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
+OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
+CHILD = flags.DEFINE_string('child', '', 'Internal: "K,L,M" measured in this process.')
+
+DIM, HEADS, HIDDEN, SEQ = 32, 2, 64, 16
+
+
+def _measure(step, args):
+    import numpy as np
+    import tensorflow as tf
+
+    fn = tf.function(step)
+    t0 = time.perf_counter()
+    concrete = fn.get_concrete_function(*args)
+    t1 = time.perf_counter()
+    tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+    t2 = time.perf_counter()
+    steady = []
+    for _ in range(STEPS.value):
+        s = time.perf_counter()
+        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+        steady.append(time.perf_counter() - s)
+    graph = concrete.graph.as_graph_def()
+    return dict(
+        trace_s=t1 - t0,
+        first_call_s=t2 - t1,
+        startup_s=t2 - t0,
+        steady_s=float(np.median(steady)),
+        outer_nodes=len(graph.node),
+        library_nodes=sum(len(f.node_def) for f in graph.library.function),
+    )
+
+
+def _child(spec):
+    k, num_layers, m = (int(v) for v in spec.split(','))
+    from tf_gpipe import cluster
+
+    cluster.logical_cpus(k)
+    import tensorflow as tf
+
+    from tf_gpipe import gpipe, layers
+    from tf_gpipe.nested_map import NestedMap
+
+    tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
+    tr = layers.TransformerLayer.Params().Set(input_dim=DIM, num_heads=HEADS, hidden_dim=HIDDEN)
+    sub = [tr.Copy().Set(name=f'tr{i}') for i in range(num_layers)]
+    x = NestedMap(
+        vecs=tf.random.stateless_normal([BATCH.value, SEQ, DIM], [1, 1]),
+        paddings=tf.zeros([BATCH.value, SEQ]),
+    )
+    targets = tf.random.stateless_normal([BATCH.value, SEQ, DIM], [2, 2])
+
+    def loss_fn(out, t):
+        return tf.reduce_mean(tf.reduce_sum(out.vecs * t, -1))
+
+    rows = []
+    plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
+
+    def plain_step(x, t):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(plain.FProp(x), t)
+        return loss, tape.gradient(loss, plain.trainable_variables)
+
+    rows.append(dict(kind='plain', schedule='', **_measure(plain_step, (x, targets))))
+    for schedule in SCHEDULES.value:
+        v = 2 if schedule == 'interleaved_1f1b' else 1
+        if k * v > num_layers or (v > 1 and m % k):
+            continue  # needs K*v cells of at least one layer, and M a multiple of K
+        pipe = (
+            gpipe.PipelinedLayer.Params()
+            .Set(
+                name='pipe',
+                sub=sub,
+                num_partitions=k,
+                partition_by='uniform',
+                num_micro_batches=m,
+                recompute=POLICY.value,
+                schedule=schedule,
+                virtual_stages=v,
+            )
+            .Instantiate()
+        )
+
+        def pipe_step(x, t, pipe=pipe):
+            return pipe.ComputeGradients(x, t, loss_fn)
+
+        rows.append(dict(kind='pipeline', schedule=schedule, **_measure(pipe_step, (x, targets))))
+    for r in rows:
+        r.update(num_stages=k, layers=num_layers, num_micro_batches=m)
+    print(json.dumps(rows))
+
+
+def summarise(rows):
+    """Per (L, K, schedule): start-up per M, growth, ratio to plain, nodes per micro-batch."""
+    out = []
+    keys = sorted({(r['layers'], r['num_stages'], r['schedule']) for r in rows if r['schedule']})
+    for num_layers, k, schedule in keys:
+        mine = {
+            r['num_micro_batches']: r
+            for r in rows
+            if (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
+        }
+        plain = {
+            r['num_micro_batches']: r
+            for r in rows
+            if r['kind'] == 'plain' and (r['layers'], r['num_stages']) == (num_layers, k)
+        }
+        ms = sorted(mine)
+        lo, hi = ms[0], ms[-1]
+        per_mb = (
+            (mine[hi]['outer_nodes'] - mine[lo]['outer_nodes']) / (hi - lo) if hi > lo else None
+        )
+        out.append(
+            dict(
+                layers=num_layers,
+                num_stages=k,
+                schedule=schedule,
+                startup_s={str(m): mine[m]['startup_s'] for m in ms},
+                growth=mine[hi]['startup_s'] / mine[lo]['startup_s'],
+                vs_plain=mine[hi]['startup_s'] / plain[hi]['startup_s'],
+                plain_startup_s=plain[hi]['startup_s'],
+                nodes_per_micro_batch=per_mb,
+                steady_ms=1e3 * mine[hi]['steady_s'],
+                plain_steady_ms=1e3 * plain[hi]['steady_s'],
+                smallest_m=lo,
+                largest_m=hi,
+            )
+        )
+    return out
+
+
+def main(argv):
+    del argv
+    if CHILD.value:
+        return _child(CHILD.value)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_common
+
+    rows = []
+    for k in STAGES.value:
+        for num_layers in LAYERS.value:
+            if int(k) > int(num_layers):
+                continue
+            for m in MICRO.value:
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    f'--child={k},{num_layers},{m}',
+                    f'--schedules={",".join(SCHEDULES.value)}',
+                    f'--recompute={POLICY.value}',
+                    f'--steps={STEPS.value}',
+                    f'--batch_size={BATCH.value}',
+                ]
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if done.returncode:
+                    sys.exit(f'K={k} L={num_layers} M={m} failed:\n{done.stderr[-3000:]}')
+                got = json.loads(done.stdout.strip().splitlines()[-1])
+                rows += got
+                for r in got:
+                    print(
+                        f'K={k} L={num_layers} M={m} {r["kind"]:8s} {r["schedule"]:16s} '
+                        f'trace {r["trace_s"]:6.2f}s first {r["first_call_s"]:6.2f}s '
+                        f'steady {1e3 * r["steady_s"]:7.1f}ms nodes {r["outer_nodes"]} '
+                        f'lib {r["library_nodes"]}',
+                        flush=True,
+                    )
+    result = dict(
+        bench_common.run_metadata(),
+        startup=True,
+        model=f'Transformer d={DIM}, {HEADS} heads, hidden {HIDDEN}, batch {BATCH.value} x {SEQ}',
+        recompute=POLICY.value,
+        rows=rows,
+        summary=summarise(rows),
+    )
+    from results_table import startup_table
+
+    print('\n'.join(startup_table(result)))
+    if OUTPUT.value:
+        bench_common.write_json(OUTPUT.value, result)
+
+
+if __name__ == '__main__':
+    app.run(main)
