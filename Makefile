@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean engine-results plan-results readme-results
+.PHONY: demo test lint format clean engine-results plan-results readme-results startup-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ plan-results: $(STAMP)
 	$(PY) tools/paper_scale.py --output=$(RESULTS)/paper_scale.json
 	$(PY) tools/plan.py --model=lm.lm1b.TransformerLmPaper --device=tpu-v3 --num_devices=8 \
 	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
+	$(MAKE) readme-results
+
+# Start-up (trace + first call) of every schedule beside the plain sequence over K, M and L
+# (run on an idle machine; the full grid takes about an hour on 2 cores).
+startup-results: $(STAMP)
+	$(PY) tools/startup.py --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
 	$(MAKE) readme-results
 
 # The README's results tables, rewritten from the JSON files under docs/results (no figure typed).

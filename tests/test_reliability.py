@@ -80,6 +80,7 @@ def test_a_stop_signal_saves_the_step_and_returns(tmp_path, caplog):
         return out
 
     step_then_sigterm.experimental_get_tracing_count = step_fn.experimental_get_tracing_count
+    step_then_sigterm.get_concrete_function = step_fn.get_concrete_function
     t._train_step = step_then_sigterm
     with caplog.at_level('INFO'):
         t.Train()

@@ -68,6 +68,7 @@ class Executor:
         self.sched = sched
         self.step = step
         self.seed_base = seed_base
+        self._zero = None  # a run-time zero (see _Mb)
         self.sums = sums
         self.input_grads = input_grads
         self.kept_set = kept_micro_batches(sched, policy)
@@ -116,7 +117,13 @@ class Executor:
     # ---- actions -----------------------------------------------------------------------------
 
     def _Mb(self, m):
-        return tf.cast(self.seed_base + m, tf.int64)
+        # Not a graph constant: Grappler's function optimizer specialises a call for each
+        # constant argument, which made every micro-batch's call a function of its own to
+        # optimise at the first run (start-up grew with M). Zero from the step, known at run time.
+        if self._zero is None:
+            step = tf.cast(self.step, tf.int64)
+            self._zero = step - step
+        return self._zero + tf.cast(self.seed_base + m, tf.int64)
 
     def _Device(self, stage):
         return self.sched.device_of(stage)
