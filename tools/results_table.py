@@ -306,9 +306,11 @@ def startup_table(result):
     """tools/startup.py: start-up (trace + first call) per M against the plain sequence's."""
     summary = result['summary']
     ms = sorted({int(m) for s in summary for m in s['startup_s']})
+    engine = f'{result["engine"]}: ' if result.get('engine') else ''
     lines = [
-        f'{result["model"]}, recompute={result["recompute"]}; start-up = trace + first call '
-        'of a training step (loss and gradients), each (K, L, M) in a fresh process, one run:',
+        f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
+        'call of a training step (loss and gradients), each (K, L, M) in a fresh process, one '
+        'run:',
         '',
         '| L | K | schedule | '
         + ' | '.join(f'start-up s, M={m}' for m in ms)
