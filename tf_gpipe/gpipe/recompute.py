@@ -31,27 +31,6 @@ import tensorflow as tf
 from tf_gpipe import distribute, fprop_context
 from tf_gpipe.gpipe import split_functions, weight_gradients
 
-# Ops that change a variable: one of them in a recompute means the forward changes state, and
-# the recompute would change it again.
-_ASSIGN_OPS = frozenset(
-    [
-        'AssignVariableOp',
-        'AssignAddVariableOp',
-        'AssignSubVariableOp',
-        'ResourceScatterUpdate',
-        'ResourceScatterAdd',
-        'ResourceScatterSub',
-        'ResourceScatterMul',
-        'ResourceScatterDiv',
-        'ResourceScatterMin',
-        'ResourceScatterMax',
-        'ResourceScatterNdUpdate',
-        'ResourceScatterNdAdd',
-        'ResourceScatterNdSub',
-        'ResourceStridedSliceAssign',
-    ]
-)
-
 # Keeps Grappler's function optimizer from inlining the calls (inlining would let common
 # subexpression elimination fold a recompute into its forward, and the executor run it early).
 _NOINLINE = {'_noinline': True}
@@ -184,7 +163,7 @@ class CellRunner:
         dropout draws from (step, micro-batch), Keras seed generators are set before each call.
         A layer class may declare RECOMPUTE_REPEATS_STATE = True when repeating is harmless.
         """
-        assigns = [op for op in ops if op.type in _ASSIGN_OPS]
+        assigns = [op for op in ops if op.type in split_functions.WRITE_OPS]
         if not assigns:
             return
 

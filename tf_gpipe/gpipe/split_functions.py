@@ -183,7 +183,15 @@ def build(runner, inputs, targets, step, micro_batch):
         return None
     fwd_side = set(fwd_ops) | {t.op for t in parts['args']}
     b_side = set(parts['b_ops'])
-    captures = {t.ref() for t in wrapped.graph.internal_captures}
+    # The variables' handles: placeholders of the trace that are not its arguments.
+    arg_refs = {t.ref() for t in parts['args']}
+    captures = {
+        t.ref()
+        for op in wrapped.graph.get_operations()
+        if op.type == 'Placeholder'
+        for t in op.outputs
+        if t.ref() not in arg_refs and t.dtype == tf.resource
+    }
     b_reads = [t for t in _frontier(parts['b_ops']) if t.ref() not in captures]
     w_feeds = [t for t in _frontier(parts['w_ops']) if t.ref() not in captures]
     if any(t.op not in fwd_side and t.op not in b_side for t in b_reads + w_feeds):
@@ -198,12 +206,13 @@ def build(runner, inputs, targets, step, micro_batch):
         residuals=residuals,
         w_feeds=w_feeds,
         b_to_w=[t for t in w_feeds if t.op in b_side and t.ref() not in dy_refs],
-        stateful=[op for op in fwd_ops if op.type in _WRITE_OPS],
+        stateful=[op for op in fwd_ops if op.type in WRITE_OPS],
     )
     return SplitFunctions(wrapped, parts)
 
 
-_WRITE_OPS = frozenset(
+# Ops that write a resource (the recompute's check uses them too).
+WRITE_OPS = frozenset(
     [
         'AssignVariableOp',
         'AssignAddVariableOp',
@@ -225,7 +234,7 @@ _WRITE_OPS = frozenset(
 
 def _writes_read_resources(ops):
     """Whether some op writes a resource that another op of the forward also touches."""
-    written = {op.inputs[0].ref() for op in ops if op.type in _WRITE_OPS and op.inputs}
+    written = {op.inputs[0].ref() for op in ops if op.type in WRITE_OPS and op.inputs}
     if not written:
         return False
     touching = {}
