@@ -224,7 +224,7 @@ class Executor:
                 token = self._Ordered(s, tf.zeros([], tf.int32))
                 t0 = trace.start([token, state[1]], runner.device)
                 d_vars = runner.SplitWeights(state, token)
-            else:  # re-derives the chain: from the kept tape, or by recomputing
+            else:  # a recomputed micro-batch: re-derives the chain by recomputing the cell
                 dy = self._Ordered(s, state)
                 t0 = trace.start(dy, runner.device)
                 _, d_vars = self._Backward(runner, x, kept, m, dy, 'variables')

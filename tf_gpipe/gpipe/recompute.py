@@ -40,10 +40,6 @@ def _is_float(x):
     return isinstance(x, tf.Tensor | tf.Variable) and x.dtype.is_floating
 
 
-def _zeros_if_none(grad, like):
-    return tf.zeros_like(like) if grad is None else tf.convert_to_tensor(grad)
-
-
 def as_tuple(outputs):
     return outputs if isinstance(outputs, tuple) else (outputs,)
 
@@ -230,24 +226,24 @@ class CellRunner:
         """The cell's outputs for one micro-batch; no activations are kept."""
         return self._forward(inputs, targets, step, micro_batch, training)
 
-    def ForwardKeep(self, inputs, targets, step, micro_batch, persistent=False):
+    def ForwardKeep(self, inputs, targets, step, micro_batch):
         """Forward whose activations are kept, for `BackwardKept` / `SplitBackward`.
 
         The same non-inlined call as `Forward`, recorded by a tape of its own: TF rewrites the
         call to also return what its backward needs, and the backward is one more call of a
         function TF derives once per cell (not the cell's ops inlined per micro-batch). The
-        tape is read once unless `persistent`: a persistent tape makes TF return every
-        intermediate from the call, each given a zero gradient in the step's program."""
-        tape = tf.GradientTape(persistent=persistent)
+        tape is read once: a persistent one would make TF return every intermediate from the
+        call, each given a zero gradient in the step's program."""
+        tape = tf.GradientTape()
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
             outputs = self._forward(inputs, targets, step, micro_batch, True)
-        return outputs, (tape, sources, outputs, None)
+        return outputs, (tape, sources, outputs)
 
     def BackwardKept(self, kept, output_grads, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) from a ForwardKeep's tape."""
-        tape, sources, outputs, _ = kept
+        tape, sources, outputs = kept
         variables = self._NoteRead(tape.watched_variables())
         with distribute.on(self.device):
             d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
