@@ -3,6 +3,7 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=docs/results/startup.json
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
+    python tools/startup.py --tick_loop ...   # PipelinedLayer tick_loop=True
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
@@ -31,6 +32,9 @@ SCHEDULES = flags.DEFINE_list(
 )
 POLICY = flags.DEFINE_enum(
     'recompute', 'except_last', ['always', 'except_last', 'never'], 'Recompute policy.'
+)
+TICK_LOOP = flags.DEFINE_bool(
+    'tick_loop', False, 'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks.'
 )
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
 BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
@@ -112,6 +116,7 @@ def _child(spec):
                 recompute=POLICY.value,
                 schedule=schedule,
                 virtual_stages=v,
+                tick_loop=TICK_LOOP.value,
             )
             .Instantiate()
         )
@@ -183,6 +188,7 @@ def main(argv):
                     f'--child={k},{num_layers},{m}',
                     f'--schedules={",".join(SCHEDULES.value)}',
                     f'--recompute={POLICY.value}',
+                    f'--tick_loop={TICK_LOOP.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
                 ]
@@ -202,6 +208,7 @@ def main(argv):
     result = dict(
         bench_common.run_metadata(),
         startup=True,
+        **(dict(engine='tick loop (tick_loop=True)') if TICK_LOOP.value else {}),
         model=f'Transformer d={DIM}, {HEADS} heads, hidden {HIDDEN}, batch {BATCH.value} x {SEQ}',
         recompute=POLICY.value,
         rows=rows,

@@ -30,6 +30,7 @@ from tf_gpipe.gpipe import (
     recompute,
     replication,
     schedules,
+    tick_loop,
 )
 from tf_gpipe.gpipe.recompute import CellRunner
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
@@ -75,6 +76,13 @@ class PipelinedLayer(base_layer.BaseLayer):
             'K device names, or R lists of K (one per replica); None: cluster.current_mesh().',
         )
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
+        p.Define(
+            'tick_loop',
+            False,
+            'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: start-up '
+            'flat in M, but each tick waits for the slowest device (tick_loop.py). False, or a '
+            'step it cannot run (eager, a strategy, uneven micro-batches): one call per action.',
+        )
         return p
 
     def __init__(self, params):
@@ -476,6 +484,9 @@ class PipelinedLayer(base_layer.BaseLayer):
                 continue
             sums = ownership.GradientSums()
             run = self._Executor(r, len(micro), step, sums, input_grads=False, head=head)
+            if self._RunTicks(run, micro, targets, return_outputs):
+                runs.append(run)
+                continue
             run.Feed(micro, targets)
             run.Run(self._Order(run.sched))
             runs.append(run)
@@ -504,6 +515,24 @@ class PipelinedLayer(base_layer.BaseLayer):
         with distribute.on(self._Row()[-1]):
             outputs = _Unpack(microbatch.merge(merged, self.params.batch_dim))
         return loss, grads, outputs
+
+    def _RunTicks(self, run, micro, targets, return_outputs):
+        """Runs `run`'s actions as a tick loop when the step allows it; False otherwise."""
+        p = self.params
+        if not p.tick_loop:
+            return False
+        targets = None if targets is None or targets[0] is None else targets
+        if tick_loop.unsupported(run.sched, p.recompute, micro, targets) is not None:
+            return False
+        loop = tick_loop.TickLoop(
+            run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
+        )
+        try:
+            loop.Run(micro, targets, want_outputs=return_outputs)
+        except tick_loop.UnsupportedError:
+            return False
+        run.losses, run.outputs = loop.losses, loop.outputs
+        return True
 
     def _CheckOwned(self, sums, variables):
         known = {v.ref() for v in variables}

@@ -99,6 +99,7 @@ class CellRunner:
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
         self._forward = tf.function(self._Forward, **options)
         self._backward = tf.function(self._Backward, **options)
+        self._forward_backward = tf.function(self._ForwardBackward, **options)
 
     def WithHead(self, head):
         """A runner of the same cell whose function ends with the loss `head`."""
@@ -150,6 +151,18 @@ class CellRunner:
             self._CheckNoStateChange(graph.get_operations()[first:])
             variables = self._NoteRead(tape.watched_variables())
             return self._Gradients(tape, sources, outputs, output_grads, variables, want)
+
+    def _ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want):
+        """A kept micro-batch whose backward comes right after its forward, as one call:
+        (outputs, d_inputs, d_variables); the forward is the real one (state updates run)."""
+        with distribute.on(self.device), self._Scope(step, micro_batch):
+            with tf.GradientTape() as tape:
+                sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
+                tape.watch(sources)
+                outputs = self._Run(inputs, targets)
+            variables = self._NoteRead(tape.watched_variables())
+            grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
+            return (outputs,) + grads
 
     def _CheckNoStateChange(self, ops):
         """Refuses a layer whose forward assigns a variable, in the recompute's trace: the
@@ -296,6 +309,14 @@ class CellRunner:
         fns, w_feeds = state
         with distribute.on(self.device):
             return list(zip(fns.split_variables, fns.Weights(token, w_feeds)))
+
+    def ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
+        """(outputs, d_float_inputs, [(variable, d_variable)]): forward and backward of a
+        micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's)."""
+        out, d_x, d_v = self._forward_backward(
+            inputs, targets, output_grads, step, micro_batch, want
+        )
+        return out, d_x, list(zip(self._read, d_v))
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""

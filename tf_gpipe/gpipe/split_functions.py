@@ -94,7 +94,7 @@ class SplitFunctions:
         """B as a pruned call: (d_x if wanted, d_unsplit, what W reads of B's work)."""
         if want_inputs not in self._backward:
             p = self._parts
-            fetch = (p['d_x'] if want_inputs else []) + p['d_unsplit'] + p['b_to_w']
+            fetch = (p['d_x'] if want_inputs else []) + _flat_grads(p['d_unsplit']) + p['b_to_w']
             fn = _call(self._wrapped.prune(p['residuals'] + p['dy_phs'], fetch)) if fetch else None
             self._backward[want_inputs] = fn
         return self._backward[want_inputs]
@@ -105,12 +105,42 @@ class SplitFunctions:
         fn = self._Backward(want_inputs)
         results = _as_list(fn(*(list(residuals) + list(flat_dys)))) if fn is not None else []
         n_x = len(p['d_x']) if want_inputs else 0
-        n_u = len(p['d_unsplit'])
-        d_x, d_unsplit, b_to_w = results[:n_x], results[n_x : n_x + n_u], results[n_x + n_u :]
+        n_u = len(_flat_grads(p['d_unsplit']))
+        d_x, flat_u, b_to_w = results[:n_x], results[n_x : n_x + n_u], results[n_x + n_u :]
+        d_unsplit = _pack_grads(p['d_unsplit'], flat_u, self.unsplit_variables)
+        return d_x, d_unsplit, self.WeightFeeds(residuals, flat_dys, b_to_w)
+
+    @property
+    def b_to_w(self):
+        """The tensors of B's work that W reads (the uses' output gradients)."""
+        return self._parts['b_to_w']
+
+    @property
+    def b_to_w_positions(self):
+        """Where each of `b_to_w` sits among the feeds `Backward` returns for W."""
+        where = {t.ref(): i for i, t in enumerate(self._parts['w_feeds'])}
+        return [where[t.ref()] for t in self._parts['b_to_w']]
+
+    @property
+    def variable_gradients(self):
+        """(variable, its gradient in the trace) for every variable B or W differentiates."""
+        p = self._parts
+        return list(zip(self.unsplit_variables, p['d_unsplit'])) + list(
+            zip(self.split_variables, p['d_split'])
+        )
+
+    @property
+    def residuals(self):
+        """The forward's tensors that B or W read."""
+        return self._parts['residuals']
+
+    def WeightFeeds(self, residuals, flat_dys, b_to_w):
+        """What W reads, from the residuals, the output gradients and B's `b_to_w`."""
+        p = self._parts
         known = dict(zip([t.ref() for t in p['b_to_w']], b_to_w))
         known.update(zip([t.ref() for t in p['residuals']], residuals))
         known.update(zip([t.ref() for t in p['dy_phs']], flat_dys))
-        return d_x, d_unsplit, [known[t.ref()] for t in p['w_feeds']]
+        return [known[t.ref()] for t in p['w_feeds']]
 
     def Weights(self, token, w_feeds):
         """The split variables' gradients from W's feeds, once `token` exists."""
@@ -121,12 +151,37 @@ def _as_list(results):
     return list(results) if isinstance(results, list | tuple) else [results]
 
 
+def _flat_grads(grads):
+    """Tensors to fetch for `grads`: a sparse gradient (a gather's) as its values and indices,
+    so that it stays sparse, as TF's tape hands it to an optimizer."""
+    out = []
+    for g in grads:
+        out += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+    return out
+
+
+def _pack_grads(like, flat, variables):
+    it = iter(flat)
+    out = []
+    for g, v in zip(like, variables):
+        if isinstance(g, tf.IndexedSlices):
+            values, indices = next(it), next(it)
+            shape = tf.shape(v, out_type=g.dense_shape.dtype)
+            out.append(tf.IndexedSlices(values, indices, shape))
+        else:
+            out.append(next(it))
+    return out
+
+
 def build(runner, inputs, targets, step, micro_batch):
     """SplitFunctions of `runner`'s cell for these arguments, or None when the forward's
     stateful ops need an order (see the module docstring)."""
     flat_args = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
     flat_args += [step, micro_batch]
-    specs = [tf.TensorSpec.from_tensor(tf.convert_to_tensor(t)) for t in flat_args]
+    specs = [
+        t if isinstance(t, tf.TensorSpec) else tf.TensorSpec.from_tensor(tf.convert_to_tensor(t))
+        for t in flat_args
+    ]
     parts = {}
 
     def body(*placeholders):
@@ -158,7 +213,10 @@ def build(runner, inputs, targets, step, micro_batch):
             grads = tape.gradient(ys, targets_, output_gradients=dys) if targets_ else []
             n, p = len(sources), len(points)
             d_x = [_zeros_if_none(g, x) for g, x in zip(grads[:n], sources)]
-            d_unsplit = [_zeros_if_none(g, v) for g, v in zip(grads[n + p :], uses.unsplit)]
+            d_unsplit = [
+                g if isinstance(g, tf.IndexedSlices) else _zeros_if_none(g, v)
+                for g, v in zip(grads[n + p :], uses.unsplit)
+            ]
             w_first = len(graph.get_operations())
             d_split = [g for _, g in uses.WeightGradients(list(grads[n : n + p]))]
             w_last = len(graph.get_operations())
@@ -175,7 +233,7 @@ def build(runner, inputs, targets, step, micro_batch):
             d_split=d_split,
             uses=uses,
         )
-        return list(tf.nest.flatten(outputs)) + d_x + d_unsplit + d_split
+        return list(tf.nest.flatten(outputs)) + d_x + _flat_grads(d_unsplit) + d_split
 
     wrapped = tf.compat.v1.wrap_function(body, specs)
     fwd_ops = parts['fwd_ops']

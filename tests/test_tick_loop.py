@@ -1,0 +1,137 @@
+"""The tick loop (tick_loop.py) computes what the unrolled executor computes, and its program
+does not grow with M.
+
+Exactness is checked against the unrolled executor (itself checked against the plain layer
+sequence in test_pipelined_layer.py) on the same weights: every schedule and recompute policy,
+with dropout (each micro-batch's mask), a sparse embedding gradient, the outputs, and no
+targets. The program: nodes of the traced step, outer graph and function library, equal at
+M=4 and M=8.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gpipe import gpipe, layers
+from tf_gpipe.gpipe import schedules, tick_loop
+
+K = 2
+SCHEDULES = ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble']
+
+
+def _sub(embedding=False):
+    fc = layers.FCLayer.Params().Set(input_dim=6, output_dim=6, activation='TANH')
+    drop = layers.DropoutLayer.Params().Set(keep_prob=0.7)
+    sub = [fc.Copy().Set(name='fc0'), drop.Copy().Set(name='drop0')]
+    sub += [fc.Copy().Set(name=f'fc{i}') for i in range(1, 4)]
+    if embedding:
+        emb = layers.EmbeddingLayer.Params().Set(vocab_size=5, embedding_dim=6)
+        sub = [emb.Set(name='emb')] + sub
+    return sub
+
+
+def _pipe(schedule, policy, m, loop, embedding=False):
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            random_seed=1234,  # same weights and dropout masks in both pipelines
+            sub=_sub(embedding),
+            num_partitions=K,
+            partition_by='uniform',
+            num_micro_batches=m,
+            recompute=policy,
+            schedule=schedule,
+            virtual_stages=v,
+            tick_loop=loop,
+        )
+        .Instantiate()
+    )
+
+
+def _loss(y, t):
+    return tf.reduce_mean(tf.reduce_sum((y - t) ** 2, -1))
+
+
+def _step(pipe, x, t, outputs=True):
+    fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss, return_outputs=outputs))
+    loss, grads, *out = fn(x, t)
+    dense = [np.asarray(tf.convert_to_tensor(g)) for g in grads]  # sparse ones too
+    return fn, (np.asarray(loss), dense, *tf.nest.map_structure(np.asarray, out))
+
+
+def _pair(schedule, policy, m=4, embedding=False):
+    return _pipe(schedule, policy, m, False, embedding), _pipe(schedule, policy, m, True, embedding)
+
+
+def _close(got, want):
+    loss_a, grads_a, out_a = got
+    loss_b, grads_b, out_b = want
+    np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    np.testing.assert_allclose(out_a, out_b, rtol=1e-6, atol=1e-7)
+    scale = max(np.max(np.abs(g)) for g in grads_b)
+    for ga, gb in zip(grads_a, grads_b):
+        np.testing.assert_allclose(ga, gb, rtol=1e-5, atol=1e-6 * scale)
+
+
+@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('policy', ['never', 'except_last', 'always'])
+def test_every_schedule_and_policy_equals_the_unrolled_executor(schedule, policy):
+    unrolled, loop = _pair(schedule, policy)
+    x = tf.random.stateless_normal([8, 6], [1, 2])
+    t = tf.random.stateless_normal([8, 6], [3, 4])
+    fn, got = _step(loop, x, t)
+    _, want = _step(unrolled, x, t)
+    _close(got, want)
+    # It ran as a loop: one While in the step, not a call per micro-batch.
+    ops = [n.op for n in fn.get_concrete_function(x, t).graph.as_graph_def().node]
+    assert ops.count('While') + ops.count('StatelessWhile') == 1, sorted(set(ops))
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', 'zero_bubble'])
+def test_a_sparse_gradient_stays_sparse_and_exact(schedule):
+    unrolled, loop = _pair(schedule, 'except_last', embedding=True)
+    ids = tf.constant([[0], [1], [1], [4], [2], [2], [0], [3]])
+    t = tf.random.stateless_normal([8, 1, 6], [3, 4])
+    _, got = _step(loop, ids, t)
+    _, want = _step(unrolled, ids, t)
+    _close(got, want)
+    # The embedding's gradient reaches the optimizer sparse, as from TF's tape.
+    traced = tf.function(lambda x, t: loop.ComputeGradients(x, t, _loss)[1])
+    grads = traced.get_concrete_function(ids, t).structured_outputs
+    emb = [g for v, g in zip(loop.trainable_variables, grads) if 'emb' in v.name]
+    assert emb and all(isinstance(g, tf.IndexedSlices) for g in emb), emb
+
+
+def test_no_targets_and_the_program_does_not_grow_with_m():
+    def nodes(m):
+        pipe = _pipe('1f1b', 'except_last', m, True)
+        x = tf.ones([2 * m, 6])
+        fn = tf.function(lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y)))
+        graph = fn.get_concrete_function().graph.as_graph_def()
+        return len(graph.node), sum(len(f.node_def) for f in graph.library.function)
+
+    assert nodes(4) == nodes(8)
+
+
+def test_steps_it_cannot_run_fall_back_with_a_reason():
+    sched = schedules.build('1f1b', 2, 2)
+    micro = [tf.ones([2, 3]), tf.ones([2, 3])]
+    assert tick_loop.unsupported(sched, 'always', micro, None) == 'eager execution'
+    uneven = [tf.ones([3, 3]), tf.ones([2, 3])]
+    reasons = []
+
+    @tf.function(autograph=False)
+    def probe():
+        reasons.append(tick_loop.unsupported(sched, 'always', uneven, None))
+        reasons.append(tick_loop.unsupported(sched, 'always', micro, None))
+        return tf.constant(0)
+
+    probe()
+    assert reasons == ['micro-batches of different sizes', None]
+    # An uneven batch (M does not divide it) still trains, by the unrolled executor.
+    unrolled, loop = _pair('1f1b', 'always', m=2)
+    x = tf.random.stateless_normal([5, 6], [1, 2])
+    t = tf.random.stateless_normal([5, 6], [3, 4])
+    _close(_step(loop, x, t)[1], _step(unrolled, x, t)[1])

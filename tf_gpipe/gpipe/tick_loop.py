@@ -1,0 +1,718 @@
+"""One replica's training schedule as a `tf.while_loop` over clock ticks.
+
+TF instantiates a called function once per call *site*: a step that calls each cell once per
+micro-batch starts up in time that grows with M even when the calls are small. Here the
+schedule becomes a table: each tick of a simulation of the schedule (F = W = 1, B = 2) gives
+each device at most one action to start, and the loop body holds, per device, one
+`tf.switch_case` over the actions that device can run (idle, F / B / W of each of its stages).
+Every call site exists once, whatever M: the step's program and its start-up do not grow with
+the micro-batches (Lingvo's GPipe runs its micro-batches as loop iterations for the same reason).
+
+What crosses ticks is loop state:
+- boundary tensors (a stage's input, the gradient of its output) in TensorArrays indexed by
+  micro-batch, written on the consumer's device; an action writes index m, every other device
+  writes an empty tensor to the spare slot M. After a stage-micro-batch's last backward action
+  its slots are overwritten with empty tensors, so boundaries live as long as in the schedule.
+  A device reads another device's boundary as it was DELAY ticks ago (the loop keeps that many
+  versions; the table leaves that slack), so it never waits for a neighbour's current action;
+- each device's running sums of the dense gradients of the variables its stages read, as one
+  flat vector per dtype (added in the device's own order, micro-batch after micro-batch), and
+  sparse contributions (gathers) per micro-batch, concatenated after the loop as TF's tape
+  aggregates them, so an optimizer still gets them sparse;
+- the loss sums, and the last stage's outputs when asked for.
+
+A kept micro-batch whose backward is the very next action on the last stage is one call for
+forward and backward (its activations live only inside it). Any other kept micro-batch carries
+its residuals in TensorArrays from F to B (and W), F, B and W being cut from one trace of the
+cell (split_functions.py). `unsupported` names what the loop does not run (the caller runs the
+unrolled executor then).
+"""
+
+import tensorflow as tf
+
+from tf_gpipe import distribute
+from tf_gpipe.gpipe import executor, schedules, split_functions, trace
+from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
+
+_IDLE = 'idle'
+# Ticks between an action on one device and the first tick another device may use its result:
+# the longest action of the table (B = 2 ticks), so that a neighbour's B does not hold a device
+# up (measured at K=4, L=16, M=32: a 3-tick delay was slower, more ticks for the same work).
+DELAY = 2
+_FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
+# A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
+_KEPT = {FORWARD: 'FK', BACKWARD: 'BK', WEIGHT: 'WK'}
+
+
+def _fusable(sched, kept):
+    """{(stage, m)} of kept micro-batches whose B directly follows their F on the last stage."""
+    last = sched.num_stages - 1
+    out = set()
+    if sched.split_backward:
+        return out  # zero-bubble's W must stay apart from B
+    for acts in sched.actions:
+        for a, b in zip(acts, acts[1:]):
+            if (
+                a.phase == FORWARD
+                and b.phase == BACKWARD
+                and a[1:] == b[1:]
+                and a.stage == last
+                and (a.stage, a.micro_batch) in kept
+            ):
+                out.add((a.stage, a.micro_batch))
+    return out
+
+
+def unsupported(sched, policy, micro_inputs, micro_targets):
+    """Why this step cannot run as a tick loop (the unrolled executor runs it), or None."""
+    if tf.executing_eagerly():
+        return 'eager execution'
+    if tf.distribute.has_strategy():
+        return 'a tf.distribute strategy'
+    if trace.recording():
+        return 'a timeline is being recorded'
+    for micro in (micro_inputs, micro_targets):
+        if micro is None or micro[0] is None:
+            continue
+        first = [_spec(t) for t in tf.nest.flatten(micro[0])]
+        if any(s is not None and not s.shape.is_fully_defined() for s in first):
+            return 'a micro-batch shape known only at run time'
+        for other in micro[1:]:
+            if [_spec(t) for t in tf.nest.flatten(other)] != first:
+                return 'micro-batches of different sizes'
+    return None
+
+
+def _spec(t):
+    return None if t is None else tf.TensorSpec(t.shape, t.dtype)
+
+
+def _empty(spec):
+    """What an action that does not produce a message sends: no rows (a scalar: zero)."""
+    if spec.shape.rank:
+        return tf.zeros([0] + spec.shape.as_list()[1:], spec.dtype)
+    return tf.zeros([], spec.dtype)
+
+
+def _is_float_spec(spec):
+    return spec is not None and spec.dtype.is_floating
+
+
+class _Stage:
+    """What the loop knows of stage s before it runs: its calls traced, its message shapes."""
+
+    def __init__(self, index, runner, in_struct, tgt_struct, step_spec, mb_spec, sched):
+        self.index = index
+        self.runner = runner
+        self.device = runner.device
+        self.last = index == sched.num_stages - 1
+        self.in_struct = in_struct  # structure of TensorSpecs (None leaves allowed)
+        self.tgt_struct = tgt_struct if self.last else None
+        forward = runner._forward.get_concrete_function(
+            in_struct, self.tgt_struct, step_spec, mb_spec, True
+        )
+        out = tf.nest.map_structure(_spec, forward.structured_outputs)
+        if self.last and runner.head is not None:
+            self.out_struct = out[0]  # (outputs, weighted loss, weight)
+        else:
+            self.out_struct = out
+        self.in_flat = tf.nest.flatten(in_struct)
+        self.out_flat = tf.nest.flatten(self.out_struct)
+        self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
+        self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
+        self.res_specs, self.bw_specs = [], []
+
+    def OutputGradSpecs(self):
+        """The output-gradient argument of the backward call, as specs."""
+        if self.last:
+            return (tf.nest.map_structure(lambda _: None, self.out_struct), _SCALAR, None)
+        return tf.nest.map_structure(lambda s: s if _is_float_spec(s) else None, self.out_struct)
+
+
+_SCALAR = tf.TensorSpec([], tf.float32)
+
+
+class TickLoop:
+    """Runs `sched` for one replica as a loop over ticks; results like executor.Executor's.
+
+    After `Run`: `losses` ({0: (sum of weighted losses, sum of weights)}), `outputs`
+    ({m: last stage outputs} when asked for), and every gradient in `sums`."""
+
+    def __init__(self, runners, sched, policy, step, seed_base, sums):
+        self.runners = runners
+        self.sched = sched
+        self.step = tf.cast(step, tf.int64)
+        self.seed_base = seed_base
+        self.sums = sums
+        kept = executor.kept_micro_batches(sched, policy)
+        self.fused = _fusable(sched, kept)
+        self.carried = kept - self.fused
+        self.losses = {}
+        self.outputs = {}
+
+    # ---- the table --------------------------------------------------------------------------
+
+    def _Table(self):
+        """Per tick and device: (branch key, micro-batch); keys are (kind, stage).
+
+        Ticks are a simulation of the schedule with F = W = 1 and B = 2 (B = 1 when split) and a
+        message from another device usable DELAY ticks after its sender started: the loop state
+        a device reads from another is DELAY ticks old (see Run), so no device waits for a
+        neighbour's action that the table does not say it needs."""
+        backward = 1.0 if self.sched.split_backward else 2.0
+        cost = {FORWARD: 1.0, BACKWARD: backward, WEIGHT: 1.0}
+        sim = schedules.simulate(
+            self.sched, 1.0, backward, 1.0, transfer=lambda dep, _: DELAY - cost[dep.phase]
+        )
+        ticks = int(round(sim.makespan))
+        table = [[(_IDLE, -1, -1)] * self.sched.num_devices for _ in range(ticks)]
+        for a, (start, _) in sim.times.items():
+            s, m = a.stage, a.micro_batch
+            kind = a.phase
+            if (s, m) in self.fused:
+                if a.phase == FORWARD:
+                    kind = _FB
+                else:
+                    continue  # done by the fused call at F's tick
+            elif (s, m) in self.carried:
+                kind = _KEPT[a.phase]
+            elif a.phase == BACKWARD and self.sched.split_backward and not self._WantX(s):
+                continue  # B of stage 0 with nothing to compute: W does the weights
+            table[int(round(start))][self.sched.device_of(s)] = (kind, s, m)
+        return table
+
+    def _WantX(self, s):
+        return s > 0
+
+    def _Kinds(self, what):
+        """The action kinds that, for a stage, write `what` (see the write tables in Run)."""
+        split = self.sched.split_backward
+        return {
+            'x': (FORWARD, 'FK'),
+            'd': (BACKWARD, 'BK', _FB),
+            'res': ('FK',),
+            'bw': ('BK',) if split else (),
+            'free': (WEIGHT, 'WK') if split else (BACKWARD, 'BK', _FB),
+            # a sparse gradient: B's unsplit ones of a kept micro-batch, W of a recomputed one
+            'sparse': (WEIGHT, 'BK') if split else (BACKWARD, 'BK', _FB),
+            'out': (FORWARD, 'FK', _FB),
+        }[what]
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def Run(self, micro_inputs, micro_targets, want_outputs=False):
+        sched, runners = self.sched, self.runners
+        num_m = len(micro_inputs)
+        S, K = sched.num_stages, sched.num_devices
+        step_spec = tf.TensorSpec([], tf.int64)
+        mb_spec = tf.TensorSpec([], tf.int64)
+        tgt_struct = (
+            None
+            if micro_targets is None or micro_targets[0] is None
+            else tf.nest.map_structure(_spec, micro_targets[0])
+        )
+        stages = []
+        in_struct = tf.nest.map_structure(_spec, micro_inputs[0])
+        for s in range(S):
+            st = _Stage(s, runners[s], in_struct, tgt_struct, step_spec, mb_spec, sched)
+            stages.append(st)
+            in_struct = st.out_struct
+
+        table = self._Table()
+        ticks = len(table)
+        # Branches per device, in a fixed order: idle first.
+        keys = [[_IDLE] for _ in range(K)]
+        for row in table:
+            for d, (kind, s, _) in enumerate(row):
+                if kind != _IDLE and (kind, s) not in keys[d]:
+                    keys[d].append((kind, s))
+        branch_of = [{k: i for i, k in enumerate(ks)} for ks in keys]
+
+        # Trace every call the branches make (so the variables each stage reads are known),
+        # and find which gradients are dense (summed in the loop) or sparse (kept per m).
+        self._grad_kinds = {}  # stage -> [(variable, its gradient in a trace)]
+        for s, st in enumerate(stages):
+            used = {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == s}
+            kinds = {}
+            if used & set(_KEPT.values()):
+                if st.runner._jit:
+                    raise UnsupportedError('a kept micro-batch of an XLA-compiled cell')
+                st.fns = split_functions.build(
+                    st.runner, st.in_struct, st.tgt_struct, step_spec, mb_spec
+                )
+                if st.fns is None:
+                    raise UnsupportedError('a kept forward whose stateful ops need an order')
+                for v, g in st.fns.variable_gradients:
+                    kinds[v.ref()] = (v, g)
+            for kind in sorted(used & {BACKWARD, WEIGHT, _FB}):
+                want = self._Want(kind, s)
+                if want is None:
+                    continue
+                fn = st.runner._forward_backward if kind == _FB else st.runner._backward
+                cf = fn.get_concrete_function(
+                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), step_spec, mb_spec, want
+                )
+                for v, g in zip(st.runner.read_variables, cf.structured_outputs[-1]):
+                    kinds[v.ref()] = (v, g)
+            self._grad_kinds[s] = list(kinds.values())
+
+        # Columns of the per-tick table: each device's branch and micro-batch.
+        branch_tab = [
+            [branch_of[d][row[d][:2] if row[d][0] != _IDLE else _IDLE] for d in range(K)]
+            for row in table
+        ]
+        mb_tab = [[max(row[d][2], 0) for d in range(K)] for row in table]
+
+        # Write indices per tick: m where stage s's action of one of `kinds` runs, else the
+        # spare slot num_m.
+        def col(s, what):
+            kinds = self._Kinds(what)
+            rows = []
+            for row in table:
+                found = [m for kind, st_, m in row if st_ == s and kind in kinds]
+                rows.append(found[0] if found else num_m)
+            return tf.constant(rows, tf.int32)
+
+        idx = {
+            (what, s): col(s, what)
+            for s in range(S)
+            for what in ('x', 'd', 'res', 'bw', 'free', 'sparse', 'out')
+        }
+        branch_tab = tf.constant(branch_tab, tf.int32)
+        mb_tab = tf.constant(mb_tab, tf.int64)
+
+        # ---- initial state (no None leaves: loop state and branch outputs are tensors) -------
+        def new_list(spec, device):
+            with distribute.on(device):
+                ta = tf.TensorArray(
+                    spec.dtype, size=num_m + 1, infer_shape=False, clear_after_read=False
+                )
+                return ta.write(num_m, _empty(spec))
+
+        def present(flat):
+            return [sp for sp in flat if sp is not None]
+
+        with distribute.on(stages[0].device):
+            x0 = [
+                tf.stack([tf.nest.flatten(x)[i] for x in micro_inputs])
+                for i, sp in enumerate(stages[0].in_flat)
+                if sp is not None
+            ]
+        tgt_flat = []
+        if tgt_struct is not None:
+            with distribute.on(stages[-1].device):
+                tgt_flat = [
+                    tf.stack([tf.nest.flatten(t)[i] for t in micro_targets])
+                    for i, sp in enumerate(tf.nest.flatten(tgt_struct))
+                    if sp is not None
+                ]
+        devices = [stages[d].device for d in range(K)]
+
+        def delay(sender, receiver):
+            """How many versions of a boundary the loop keeps: a receiver on another device
+            reads the state DELAY - 1 ticks old, which its sender's recent actions have not
+            touched (the table leaves that slack); on the same device, the newest."""
+            return DELAY if sched.device_of(sender) != sched.device_of(receiver) else 1
+
+        state = dict(
+            # Per boundary, its last `versions` states, newest first (see `delay`).
+            x={
+                s: [[new_list(sp, stages[s].device) for sp in present(stages[s].in_flat)]]
+                * delay(s - 1, s)
+                for s in range(1, S)
+            },
+            d={
+                s: [
+                    [
+                        new_list(sp, stages[s].device)
+                        for sp in stages[s].out_flat
+                        if _is_float_spec(sp)
+                    ]
+                ]
+                * delay(s + 1, s)
+                for s in range(S - 1)
+            },
+            dense={},
+            sparse={},
+            loss=[tf.zeros([]), tf.zeros([])],
+            out=[new_list(sp, stages[-1].device) for sp in present(stages[-1].out_flat)]
+            if want_outputs
+            else [],
+        )
+        # A kept micro-batch's residuals, and under a split backward what W reads of B's work.
+        state['res'], state['bw'] = {}, {}
+        for s, st in enumerate(stages):
+            if st.fns is None:
+                continue
+            st.res_specs = [_spec(t) for t in st.fns.residuals]
+            st.bw_specs = [_spec(t) for t in st.fns.b_to_w] if sched.split_backward else []
+            if not all(sp.shape.is_fully_defined() for sp in st.res_specs + st.bw_specs):
+                raise UnsupportedError('a kept forward whose residuals have unknown shapes')
+            state['res'][s] = [new_list(sp, st.device) for sp in st.res_specs]
+            state['bw'][s] = [new_list(sp, st.device) for sp in st.bw_specs]
+        dense_vars = {d: [] for d in range(K)}  # device -> [(variable, gradient spec)]
+        sparse_specs = {}  # (stage, variable ref) -> (values spec, indices spec)
+        for s, st in enumerate(stages):
+            d = sched.device_of(s)
+            for v, g in self._grad_kinds[s]:
+                if isinstance(g, tf.IndexedSlices):
+                    specs = (_spec(g.values), _spec(g.indices))
+                    if not all(sp.shape.is_fully_defined() for sp in specs):
+                        raise UnsupportedError('a sparse gradient of unknown size')
+                    sparse_specs[(s, v.ref())] = specs
+                    state['sparse'][_key(s, v.ref(), sparse_specs)] = [
+                        new_list(sp, st.device) for sp in specs
+                    ]
+                elif all(v.ref() != u.ref() for u, _ in dense_vars[d]):
+                    dense_vars[d].append((v, _spec(g)))
+        # A device's dense sums are one flat vector per dtype: one loop variable, not one per
+        # variable (each loop variable and switch_case output costs ops at every tick).
+        groups = {d: {} for d in range(K)}  # device -> dtype -> [(variable, spec)]
+        for d in range(K):
+            for v, sp in dense_vars[d]:
+                groups[d].setdefault(sp.dtype, []).append((v, sp))
+            groups[d] = list(groups[d].values())
+            with distribute.on(devices[d]):
+                state['dense'][d] = [
+                    tf.zeros([sum(sp.shape.num_elements() for _, sp in g)], g[0][1].dtype)
+                    for g in groups[d]
+                ]
+        self._stages, self._groups, self._sparse_specs = stages, groups, sparse_specs
+        ctx = _Context(
+            stages,
+            x0,
+            tgt_flat,
+            {
+                d: {
+                    v.ref(): (gi, vi)
+                    for gi, g in enumerate(groups[d])
+                    for vi, (v, _) in enumerate(g)
+                }
+                for d in range(K)
+            },
+            groups,
+            sparse_specs,
+            want_outputs,
+        )
+
+        # ---- the body ------------------------------------------------------------------------
+        def body(t, state):
+            messages = {}
+            for d in range(K):
+                with distribute.on(devices[d]):
+                    m = mb_tab[t, d]
+                    fns = [self._Branch(key, d, m, state, ctx) for key in keys[d]]
+                    if len(fns) > 1:
+                        messages[d] = tf.switch_case(branch_tab[t, d], fns)
+                    else:
+                        messages[d] = fns[0]()
+            new = dict(x={}, d={}, dense={}, sparse={}, res={}, bw={})
+            # Boundary writes, on the consumer's device: the message at m (or the spare slot),
+            # then an empty tensor over what its last backward action used.
+            for s in range(1, S):
+                sent = messages[sched.device_of(s - 1)]['fwd'][s - 1]
+                specs = present(stages[s].in_flat)
+                with distribute.on(stages[s].device):
+                    i, j = idx[('x', s - 1)][t], idx[('free', s)][t]
+                    newest = [
+                        ta.write(i, y).write(j, _empty(sp))
+                        for ta, y, sp in zip(state['x'][s][0], sent, specs)
+                    ]
+                    new['x'][s] = [newest] + state['x'][s][:-1]
+            for s in range(S - 1):
+                sent = messages[sched.device_of(s + 1)]['bwd'][s + 1]
+                specs = [sp for sp in stages[s].out_flat if _is_float_spec(sp)]
+                with distribute.on(stages[s].device):
+                    i, j = idx[('d', s + 1)][t], idx[('free', s)][t]
+                    newest = [
+                        ta.write(i, g).write(j, _empty(sp))
+                        for ta, g, sp in zip(state['d'][s][0], sent, specs)
+                    ]
+                    new['d'][s] = [newest] + state['d'][s][:-1]
+            for s, ref in sparse_specs:
+                name = _key(s, ref, sparse_specs)
+                sent = messages[sched.device_of(s)]['sparse'][name]
+                with distribute.on(stages[s].device):
+                    i = idx[('sparse', s)][t]
+                    new['sparse'][name] = [
+                        ta.write(i, g) for ta, g in zip(state['sparse'][name], sent)
+                    ]
+            for what in ('res', 'bw'):
+                for s, lists in state[what].items():
+                    sent = messages[sched.device_of(s)][what][s]
+                    specs = stages[s].res_specs if what == 'res' else stages[s].bw_specs
+                    with distribute.on(stages[s].device):
+                        i, j = idx[(what, s)][t], idx[('free', s)][t]
+                        new[what][s] = [
+                            ta.write(i, y).write(j, _empty(sp))
+                            for ta, y, sp in zip(lists, sent, specs)
+                        ]
+            for d in range(K):
+                new['dense'][d] = messages[d]['dense']
+            last = messages[sched.device_of(S - 1)]
+            with distribute.on(stages[-1].device):
+                new['loss'] = [
+                    state['loss'][0] + last['loss'][0],
+                    state['loss'][1] + last['loss'][1],
+                ]
+                i = idx[('out', S - 1)][t]
+                new['out'] = [ta.write(i, o) for ta, o in zip(state['out'], last.get('out', []))]
+            return t + 1, new
+
+        _, final = tf.while_loop(
+            lambda t, _: t < ticks,
+            body,
+            (tf.constant(0), state),
+            maximum_iterations=ticks,
+            # Devices drift apart by up to DELAY ticks per hop: let that many ticks be in flight.
+            parallel_iterations=max(10, 2 * DELAY * K),
+        )
+        self._Collect(final, num_m, want_outputs)
+
+    def _Want(self, kind, s):
+        want_x = self._WantX(s)
+        if kind == FORWARD:
+            return None
+        if kind == WEIGHT:
+            return 'variables'
+        if kind == BACKWARD and self.sched.split_backward:
+            return 'inputs' if want_x else None
+        return 'all' if want_x else 'variables'
+
+    def _Branch(self, key, d, m, state, ctx):
+        """The function switch_case runs on device d for branch `key`; every branch returns
+        the same structure (what it does not produce: empty tensors; the sums: unchanged)."""
+        sched, stages = self.sched, ctx.stages
+        S = sched.num_stages
+        local = [s for s in range(S) if sched.device_of(s) == d]
+
+        def default():
+            msg = dict(
+                fwd={
+                    s: [_empty(sp) for sp in stages[s].out_flat if sp is not None]
+                    for s in local
+                    if s < S - 1
+                },
+                bwd={
+                    s: [_empty(stages[s].in_flat[i]) for i in stages[s].float_in]
+                    for s in local
+                    if s > 0
+                },
+                sparse={
+                    _key(s, ref, ctx.sparse_specs): [_empty(sp) for sp in specs]
+                    for (s, ref), specs in ctx.sparse_specs.items()
+                    if s in local
+                },
+                dense=list(state['dense'][d]),
+                res={
+                    s: [_empty(sp) for sp in stages[s].res_specs]
+                    for s in local
+                    if s in state['res']
+                },
+                bw={
+                    s: [_empty(sp) for sp in stages[s].bw_specs] for s in local if s in state['bw']
+                },
+            )
+            if S - 1 in local:
+                msg['loss'] = [tf.zeros([]), tf.zeros([])]
+                if ctx.want_outputs:
+                    msg['out'] = [_empty(sp) for sp in stages[-1].out_flat if sp is not None]
+            return msg
+
+        if key == _IDLE:
+            return default
+
+        kind, s = key
+        st = stages[s]
+        index = tf.cast(m, tf.int32)
+
+        def read(lists, flat):
+            it = iter(lists)
+            return [
+                None if sp is None else tf.ensure_shape(next(it).read(index), sp.shape)
+                for sp in flat
+            ]
+
+        def read_inputs():
+            if s == 0:
+                it = iter(ctx.x0)
+                flat = [None if sp is None else tf.gather(next(it), m) for sp in st.in_flat]
+            else:
+                flat = read(state['x'][s][-1], st.in_flat)
+            return tf.nest.pack_sequence_as(st.in_struct, flat)
+
+        def read_targets():
+            if not st.last or st.tgt_struct is None:
+                return None
+            it = iter(ctx.tgt_flat)
+            flat = [
+                None if sp is None else tf.gather(next(it), m)
+                for sp in tf.nest.flatten(st.tgt_struct)
+            ]
+            return tf.nest.pack_sequence_as(st.tgt_struct, flat)
+
+        def output_grads():
+            if st.last:
+                return (tf.nest.map_structure(lambda _: None, st.out_struct), tf.ones([]), None)
+            floats = [sp if _is_float_spec(sp) else None for sp in st.out_flat]
+            return tf.nest.pack_sequence_as(st.out_struct, read(state['d'][s][-1], floats))
+
+        def add_weight_grads(msg, d_vars):
+            dense = {}  # (group, index in group) -> gradient
+            for v, g in d_vars:
+                if (s, v.ref()) in ctx.sparse_specs:
+                    msg['sparse'][_key(s, v.ref(), ctx.sparse_specs)] = [g.values, g.indices]
+                elif v.ref() in ctx.dense_pos[d]:
+                    dense[ctx.dense_pos[d][v.ref()]] = tf.convert_to_tensor(g)
+            for gi, group in enumerate(ctx.groups[d]):
+                present = [dense[(gi, vi)] for vi in range(len(group)) if (gi, vi) in dense]
+                if present:
+                    layout = tuple(
+                        (sp.shape.num_elements(), (gi, vi) in dense)
+                        for vi, (_, sp) in enumerate(group)
+                    )
+                    msg['dense'][gi] = _add_flat(msg['dense'][gi], present, layout)
+
+        def flat_dys():
+            if st.last:
+                return []  # d (weighted loss) = 1 is inside B
+            floats = [sp if _is_float_spec(sp) else None for sp in st.out_flat]
+            return [g for g in read(state['d'][s][-1], floats) if g is not None]
+
+        def run_kept(msg, seed):
+            fns = st.fns
+            if kind == 'FK':
+                flat = [
+                    t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
+                ]
+                y, msg['res'][s] = fns.Forward(flat + [self.step, seed])
+                forward_message(msg, y)
+                return msg
+            residuals = read(state['res'][s], st.res_specs)
+            if kind == 'BK':
+                d_x, d_unsplit, w_feeds = fns.Backward(residuals, flat_dys(), s > 0)
+                if s > 0:
+                    msg['bwd'][s] = list(d_x)
+                d_vars = list(zip(fns.unsplit_variables, d_unsplit))
+                if self.sched.split_backward:
+                    msg['bw'][s] = [w_feeds[i] for i in fns.b_to_w_positions]
+                else:  # B and W of one backward, back to back
+                    d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
+                    d_vars += list(zip(fns.split_variables, d_split))
+            else:  # WK
+                b_to_w = read(state['bw'][s], st.bw_specs)
+                w_feeds = fns.WeightFeeds(residuals, flat_dys(), b_to_w)
+                d_vars = list(
+                    zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), w_feeds))
+                )
+            add_weight_grads(msg, d_vars)
+            return msg
+
+        def forward_message(msg, y):
+            if st.last and st.runner.head is not None:
+                outputs, weighted, weight = y
+                msg['loss'] = [weighted, weight]
+                if ctx.want_outputs:
+                    msg['out'] = [o for o in tf.nest.flatten(outputs) if o is not None]
+            else:
+                msg['fwd'][s] = [o for o in tf.nest.flatten(y) if o is not None]
+
+        def run():
+            msg = default()
+            runner = st.runner
+            # Micro-batch m draws its randomness as global micro-batch seed_base + m.
+            seed = m + tf.cast(self.seed_base, tf.int64)
+            if kind in _KEPT.values():
+                return run_kept(msg, seed)
+            if kind == FORWARD:
+                y = runner.Forward(read_inputs(), read_targets(), self.step, seed)
+                forward_message(msg, y)
+                return msg
+            want = self._Want(kind, s)
+            if kind == _FB:
+                y, d_x, d_vars = runner.ForwardBackward(
+                    read_inputs(), read_targets(), output_grads(), self.step, seed, want
+                )
+                outputs, weighted, weight = y
+                msg['loss'] = [weighted, weight]
+                if ctx.want_outputs:
+                    msg['out'] = [o for o in tf.nest.flatten(outputs) if o is not None]
+            else:
+                d_x, d_vars = runner.Backward(
+                    read_inputs(), read_targets(), output_grads(), self.step, seed, want
+                )
+            if want in ('all', 'inputs') and s > 0:
+                msg['bwd'][s] = list(d_x)
+            if want in ('all', 'variables'):
+                add_weight_grads(msg, d_vars)
+            return msg
+
+        return run
+
+    def _Collect(self, final, num_m, want_outputs):
+        stages = self._stages
+        self.losses = {0: tuple(final['loss'])}
+        for d, groups in self._groups.items():
+            for group, flat in zip(groups, final['dense'][d]):
+                with distribute.on(stages[d].device):
+                    sizes = [sp.shape.num_elements() for _, sp in group]
+                    pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+                for (v, sp), piece in zip(group, pieces):
+                    self.sums.Add(v, tf.reshape(piece, sp.shape))
+        for s, ref in self._sparse_specs:
+            vals, inds = final['sparse'][_key(s, ref, self._sparse_specs)]
+            v = ref.deref()
+            with distribute.on(stages[s].device):
+                values, indices = vals.concat(), inds.concat()
+                self.sums.Add(
+                    v, tf.IndexedSlices(values, indices, tf.shape(v, out_type=indices.dtype))
+                )
+        if want_outputs:
+            last = stages[-1]
+            with distribute.on(last.device):
+                flat = [
+                    None
+                    if ta is None
+                    else [tf.ensure_shape(ta.read(m), sp.shape) for m in range(num_m)]
+                    for ta, sp in zip(final['out'], last.out_flat)
+                ]
+            for m in range(num_m):
+                self.outputs[m] = tf.nest.pack_sequence_as(
+                    last.out_struct, [None if f is None else f[m] for f in flat]
+                )
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _add_flat(total, grads, layout):
+    """`total` + the gradients laid out flat as `layout` says ((size, present) per variable,
+    zeros where absent): one call in a branch instead of ops per variable at every tick."""
+    it = iter(grads)
+    pieces = [
+        tf.reshape(tf.cast(next(it), total.dtype), [-1])
+        if present
+        else tf.zeros([size], total.dtype)
+        for size, present in layout
+    ]
+    return total + tf.concat(pieces, 0)
+
+
+class UnsupportedError(Exception):
+    """Found while building: the caller runs the unrolled executor instead."""
+
+
+class _Context:
+    """What every branch reads besides the loop state."""
+
+    def __init__(self, stages, x0, tgt_flat, dense_pos, groups, sparse_specs, want_outputs):
+        self.stages = stages
+        self.x0 = x0
+        self.tgt_flat = tgt_flat
+        self.dense_pos = dense_pos
+        self.groups = groups
+        self.sparse_specs = sparse_specs
+        self.want_outputs = want_outputs
+
+
+def _key(stage, ref, sparse_specs):
+    """A string key per (stage, sparse variable): loop-state dicts need sortable keys."""
+    return f'{stage}_{list(sparse_specs).index((stage, ref))}'
