@@ -69,7 +69,8 @@ plan-results: $(STAMP)
 # (run on an idle machine; the full grid takes about an hour on 2 cores).
 startup-results: $(STAMP)
 	$(PY) tools/startup.py --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
-	$(PY) tools/startup.py --tick_loop --num_stages=4 --layers=16 --micro_batches=4,16,32 \
+	$(PY) tools/startup.py --tick_loop --compare_unrolled --num_stages=4 --layers=16 \
+	  --micro_batches=4,16,32 \
 	  --output=$(RESULTS)/startup_tick_loop.json > $(RESULTS)/startup_tick_loop.txt
 	$(MAKE) readme-results
 

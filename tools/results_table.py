@@ -307,6 +307,7 @@ def startup_table(result):
     summary = result['summary']
     ms = sorted({int(m) for s in summary for m in s['startup_s']})
     engine = f'{result["engine"]}: ' if result.get('engine') else ''
+    compared = any('unrolled_steady_ms' in s for s in summary)
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
         'call of a training step (loss and gradients), each (K, L, M) in a fresh process, one '
@@ -315,8 +316,9 @@ def startup_table(result):
         '| L | K | schedule | '
         + ' | '.join(f'start-up s, M={m}' for m in ms)
         + ' | M=max / M=min | vs plain at M=max | plain s | nodes per extra micro-batch '
-        '| steady ms (plain) |',
-        '|---|---|---|' + '---|' * len(ms) + '---|---|---|---|---|',
+        '| steady ms (plain) |'
+        + (' unrolled at M=max: start-up s | steady ms |' if compared else ''),
+        '|---|---|---|' + '---|' * len(ms) + '---|---|---|---|---|' + '---|---|' * compared,
     ]
     for s in summary:
         cells = ' | '.join(
@@ -327,6 +329,11 @@ def startup_table(result):
             f'| {s["layers"]} | {s["num_stages"]} | {s["schedule"]} | {cells} | '
             f'{s["growth"]:.2f} | {s["vs_plain"]:.2f} | {s["plain_startup_s"]:.1f} | {per_mb} | '
             f'{s["steady_ms"]:.0f} ({s["plain_steady_ms"]:.0f}) |'
+            + (
+                f' {s["unrolled_startup_s"]:.1f} | {s["unrolled_steady_ms"]:.0f} |'
+                if 'unrolled_steady_ms' in s
+                else ' | |' * compared
+            )
         )
     return lines
 

@@ -36,6 +36,12 @@ POLICY = flags.DEFINE_enum(
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop', False, 'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks.'
 )
+COMPARE = flags.DEFINE_bool(
+    'compare_unrolled',
+    False,
+    'With --tick_loop: also measure the unrolled executor in the same process (its start-up '
+    "and steady step at the largest M, beside the loop's).",
+)
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
 BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
@@ -101,7 +107,10 @@ def _child(spec):
         return loss, tape.gradient(loss, plain.trainable_variables)
 
     rows.append(dict(kind='plain', schedule='', **_measure(plain_step, (x, targets))))
-    for schedule in SCHEDULES.value:
+    engines = [(TICK_LOOP.value, 'pipeline')]
+    if TICK_LOOP.value and COMPARE.value:
+        engines.append((False, 'unrolled'))
+    for schedule, (loop, kind) in [(s, e) for s in SCHEDULES.value for e in engines]:
         v = 2 if schedule == 'interleaved_1f1b' else 1
         if k * v > num_layers or (v > 1 and m % k):
             continue  # needs K*v cells of at least one layer, and M a multiple of K
@@ -116,7 +125,7 @@ def _child(spec):
                 recompute=POLICY.value,
                 schedule=schedule,
                 virtual_stages=v,
-                tick_loop=TICK_LOOP.value,
+                tick_loop=loop,
             )
             .Instantiate()
         )
@@ -124,7 +133,7 @@ def _child(spec):
         def pipe_step(x, t, pipe=pipe):
             return pipe.ComputeGradients(x, t, loss_fn)
 
-        rows.append(dict(kind='pipeline', schedule=schedule, **_measure(pipe_step, (x, targets))))
+        rows.append(dict(kind=kind, schedule=schedule, **_measure(pipe_step, (x, targets))))
     for r in rows:
         r.update(num_stages=k, layers=num_layers, num_micro_batches=m)
     print(json.dumps(rows))
@@ -138,7 +147,14 @@ def summarise(rows):
         mine = {
             r['num_micro_batches']: r
             for r in rows
-            if (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
+            if r['kind'] == 'pipeline'
+            and (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
+        }
+        unrolled = {
+            r['num_micro_batches']: r
+            for r in rows
+            if r['kind'] == 'unrolled'
+            and (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
         }
         plain = {
             r['num_micro_batches']: r
@@ -166,6 +182,11 @@ def summarise(rows):
                 largest_m=hi,
             )
         )
+        if hi in unrolled:  # the unrolled executor, same process and M
+            out[-1].update(
+                unrolled_startup_s=unrolled[hi]['startup_s'],
+                unrolled_steady_ms=1e3 * unrolled[hi]['steady_s'],
+            )
     return out
 
 
@@ -189,6 +210,7 @@ def main(argv):
                     f'--schedules={",".join(SCHEDULES.value)}',
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
+                    f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
                 ]

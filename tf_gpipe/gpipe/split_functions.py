@@ -173,9 +173,23 @@ def _pack_grads(like, flat, variables):
     return out
 
 
-def build(runner, inputs, targets, step, micro_batch):
+class _Unsplit:
+    """Uses of no variable: B computes every weight gradient (a backward that is not split)."""
+
+    def __init__(self, variables):
+        self.split, self.unsplit = [], list(variables)
+
+    def Tensors(self):
+        return []
+
+    def WeightGradients(self, point_grads):
+        return []
+
+
+def build(runner, inputs, targets, step, micro_batch, split=True):
     """SplitFunctions of `runner`'s cell for these arguments, or None when the forward's
-    stateful ops need an order (see the module docstring)."""
+    stateful ops need an order (see the module docstring). `split=False`: no W, B computes
+    every weight gradient (F and B of a kept micro-batch, for a schedule that does not split)."""
     flat_args = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
     flat_args += [step, micro_batch]
     specs = [
@@ -200,7 +214,7 @@ def build(runner, inputs, targets, step, micro_batch):
                 outputs = runner._Run(ins, tgts)
             fwd_ops = graph.get_operations()[first:]
             variables = runner._NoteRead(tape.watched_variables())
-            uses = weight_gradients.Uses(fwd_ops, variables)
+            uses = weight_gradients.Uses(fwd_ops, variables) if split else _Unsplit(variables)
             points = uses.Tensors()
             b_first = len(graph.get_operations())
             if runner.head is not None:  # d (weighted loss) = 1

@@ -120,7 +120,7 @@ class _Stage:
         self.out_flat = tf.nest.flatten(self.out_struct)
         self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
         self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
-        self.res_specs, self.bw_specs = [], []
+        self.res_pack = self.bw_pack = _Packing([])
 
     def OutputGradSpecs(self):
         """The output-gradient argument of the backward call, as specs."""
@@ -238,7 +238,12 @@ class TickLoop:
                 if st.runner._jit:
                     raise UnsupportedError('a kept micro-batch of an XLA-compiled cell')
                 st.fns = split_functions.build(
-                    st.runner, st.in_struct, st.tgt_struct, step_spec, mb_spec
+                    st.runner,
+                    st.in_struct,
+                    st.tgt_struct,
+                    step_spec,
+                    mb_spec,
+                    split=sched.split_backward,
                 )
                 if st.fns is None:
                     raise UnsupportedError('a kept forward whose stateful ops need an order')
@@ -344,12 +349,17 @@ class TickLoop:
         for s, st in enumerate(stages):
             if st.fns is None:
                 continue
-            st.res_specs = [_spec(t) for t in st.fns.residuals]
-            st.bw_specs = [_spec(t) for t in st.fns.b_to_w] if sched.split_backward else []
-            if not all(sp.shape.is_fully_defined() for sp in st.res_specs + st.bw_specs):
+            res_specs = [_spec(t) for t in st.fns.residuals]
+            bw_specs = [_spec(t) for t in st.fns.b_to_w] if sched.split_backward else []
+            if not all(
+                sp.shape.is_fully_defined() and sp.dtype not in (tf.resource, tf.variant)
+                for sp in res_specs + bw_specs
+            ):
                 raise UnsupportedError('a kept forward whose residuals have unknown shapes')
-            state['res'][s] = [new_list(sp, st.device) for sp in st.res_specs]
-            state['bw'][s] = [new_list(sp, st.device) for sp in st.bw_specs]
+            # Packed: one flat vector per dtype, not one loop variable per residual.
+            st.res_pack, st.bw_pack = _Packing(res_specs), _Packing(bw_specs)
+            state['res'][s] = [new_list(sp, st.device) for sp in st.res_pack.specs]
+            state['bw'][s] = [new_list(sp, st.device) for sp in st.bw_pack.specs]
         dense_vars = {d: [] for d in range(K)}  # device -> [(variable, gradient spec)]
         sparse_specs = {}  # (stage, variable ref) -> (values spec, indices spec)
         for s, st in enumerate(stages):
@@ -440,7 +450,7 @@ class TickLoop:
             for what in ('res', 'bw'):
                 for s, lists in state[what].items():
                     sent = messages[sched.device_of(s)][what][s]
-                    specs = stages[s].res_specs if what == 'res' else stages[s].bw_specs
+                    specs = (stages[s].res_pack if what == 'res' else stages[s].bw_pack).specs
                     with distribute.on(stages[s].device):
                         i, j = idx[(what, s)][t], idx[('free', s)][t]
                         new[what][s] = [
@@ -505,12 +515,14 @@ class TickLoop:
                 },
                 dense=list(state['dense'][d]),
                 res={
-                    s: [_empty(sp) for sp in stages[s].res_specs]
+                    s: [_empty(sp) for sp in stages[s].res_pack.specs]
                     for s in local
                     if s in state['res']
                 },
                 bw={
-                    s: [_empty(sp) for sp in stages[s].bw_specs] for s in local if s in state['bw']
+                    s: [_empty(sp) for sp in stages[s].bw_pack.specs]
+                    for s in local
+                    if s in state['bw']
                 },
             )
             if S - 1 in local:
@@ -585,22 +597,23 @@ class TickLoop:
                 flat = [
                     t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
                 ]
-                y, msg['res'][s] = fns.Forward(flat + [self.step, seed])
+                y, residuals = fns.Forward(flat + [self.step, seed])
+                msg['res'][s] = st.res_pack.Pack(residuals)
                 forward_message(msg, y)
                 return msg
-            residuals = read(state['res'][s], st.res_specs)
+            residuals = st.res_pack.Unpack(read(state['res'][s], st.res_pack.specs))
             if kind == 'BK':
                 d_x, d_unsplit, w_feeds = fns.Backward(residuals, flat_dys(), s > 0)
                 if s > 0:
                     msg['bwd'][s] = list(d_x)
                 d_vars = list(zip(fns.unsplit_variables, d_unsplit))
                 if self.sched.split_backward:
-                    msg['bw'][s] = [w_feeds[i] for i in fns.b_to_w_positions]
+                    msg['bw'][s] = st.bw_pack.Pack([w_feeds[i] for i in fns.b_to_w_positions])
                 else:  # B and W of one backward, back to back
                     d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
                     d_vars += list(zip(fns.split_variables, d_split))
             else:  # WK
-                b_to_w = read(state['bw'][s], st.bw_specs)
+                b_to_w = st.bw_pack.Unpack(read(state['bw'][s], st.bw_pack.specs))
                 w_feeds = fns.WeightFeeds(residuals, flat_dys(), b_to_w)
                 d_vars = list(
                     zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), w_feeds))
@@ -694,6 +707,47 @@ def _add_flat(total, grads, layout):
         for size, present in layout
     ]
     return total + tf.concat(pieces, 0)
+
+
+class _Packing:
+    """Tensors of fixed shapes as one flat vector per dtype (and back), each way one call."""
+
+    def __init__(self, specs):
+        self.layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
+        self.dtypes = list(dict.fromkeys(sp.dtype for sp in specs))
+        self.specs = [
+            tf.TensorSpec([sum(sp.shape.num_elements() for sp in specs if sp.dtype == dt)], dt)
+            for dt in self.dtypes
+        ]
+
+    def Pack(self, tensors):
+        return list(_pack(list(tensors), self.layout, tuple(self.dtypes))) if tensors else []
+
+    def Unpack(self, flats):
+        return list(_unpack(list(flats), self.layout, tuple(self.dtypes))) if self.layout else []
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _pack(tensors, layout, dtypes):
+    return [
+        tf.concat([tf.reshape(t, [-1]) for t, (_, dt) in zip(tensors, layout) if dt == d], 0)
+        for d in dtypes
+    ]
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _unpack(flats, layout, dtypes):
+    offsets = dict.fromkeys(dtypes, 0)
+    out = []
+    for shape, dt in layout:
+        size = 1
+        for n in shape:
+            size *= n
+        start = offsets[dt]
+        flat = flats[dtypes.index(dt)]
+        out.append(tf.reshape(flat[start : start + size], shape))
+        offsets[dt] = start + size
+    return out
 
 
 class UnsupportedError(Exception):
