@@ -80,8 +80,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             'tick_loop',
             False,
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: start-up '
-            'flat in M, but each tick waits for the slowest device (tick_loop.py). False, or a '
-            'step it cannot run (eager, a strategy, uneven micro-batches): one call per action.',
+            'flat in M, a slower steady step (tick_loop.py). False, or a step it cannot run '
+            '(eager, a strategy, uneven micro-batches): one call per action.',
         )
         return p
 

@@ -130,6 +130,14 @@ class CellRunner:
             return outputs
         return (outputs,) + self.head(outputs, targets)
 
+    def _RunTaped(self, inputs, targets):
+        """(tape, float inputs, outputs): the cell run under a tape watching its float inputs."""
+        with tf.GradientTape() as tape:
+            sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
+            tape.watch(sources)
+            outputs = self._Run(inputs, targets)
+        return tape, sources, outputs
+
     def _Scope(self, step, micro_batch, training=True, recompute=False):
         return fprop_context.scope(
             training=training, step=step, seed_offset=micro_batch, recompute=recompute
@@ -144,10 +152,7 @@ class CellRunner:
         with distribute.on(self.device), self._Scope(step, micro_batch, recompute=True):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
-            with tf.GradientTape() as tape:
-                sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
-                tape.watch(sources)
-                outputs = self._Run(inputs, targets)
+            tape, sources, outputs = self._RunTaped(inputs, targets)
             self._CheckNoStateChange(graph.get_operations()[first:])
             variables = self._NoteRead(tape.watched_variables())
             return self._Gradients(tape, sources, outputs, output_grads, variables, want)
@@ -156,10 +161,7 @@ class CellRunner:
         """A kept micro-batch whose backward comes right after its forward, as one call:
         (outputs, d_inputs, d_variables); the forward is the real one (state updates run)."""
         with distribute.on(self.device), self._Scope(step, micro_batch):
-            with tf.GradientTape() as tape:
-                sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
-                tape.watch(sources)
-                outputs = self._Run(inputs, targets)
+            tape, sources, outputs = self._RunTaped(inputs, targets)
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (outputs,) + grads

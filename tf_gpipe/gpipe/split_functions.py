@@ -208,10 +208,7 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
         graph = tf.compat.v1.get_default_graph()
         first = len(graph.get_operations())
         with distribute.on(runner.device), runner._Scope(step_ph, mb_ph):
-            with tf.GradientTape() as tape:
-                sources = [x for x in tf.nest.flatten(ins) if _is_float(x)]
-                tape.watch(sources)
-                outputs = runner._Run(ins, tgts)
+            tape, sources, outputs = runner._RunTaped(ins, tgts)
             fwd_ops = graph.get_operations()[first:]
             variables = runner._NoteRead(tape.watched_variables())
             uses = weight_gradients.Uses(fwd_ops, variables) if split else _Unsplit(variables)
