@@ -135,3 +135,33 @@ def test_steps_it_cannot_run_fall_back_with_a_reason():
     x = tf.random.stateless_normal([5, 6], [1, 2])
     t = tf.random.stateless_normal([5, 6], [3, 4])
     _close(_step(loop, x, t)[1], _step(unrolled, x, t)[1])
+
+
+def test_each_tick_sends_only_the_boundary_messages():
+    # Loop state lives where it is used: a loop variable, or an identity TF adds around one,
+    # left without a device would be placed on the first device and cost two sends per tick.
+    pipe = _pipe('1f1b', 'except_last', 4, True)
+    x, t = tf.ones([8, 6]), tf.ones([8, 6])
+    fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss))
+    graph = fn.get_concrete_function(x, t).graph.as_graph_def()
+    (loop,) = [n for n in graph.node if n.op in ('While', 'StatelessWhile')]
+    outer = {n.name: n for n in graph.node}
+    inputs = [outer[i.split(':')[0]] for i in loop.input if not i.startswith('^')]
+    unplaced = [
+        n.op
+        for n in inputs
+        if not n.device and n.attr['dtype'].type != tf.resource.as_datatype_enum  # variables
+    ]
+    assert unplaced == ['Const', 'Const', 'Const'], unplaced  # tick counter, its bound, t
+    body = {f.signature.name: f for f in graph.library.function}[loop.attr['body'].func.name]
+    nodes = {n.name: n for n in body.node_def}
+    crossing = []
+    for n in body.node_def:
+        if not n.device:
+            assert n.op in ('AddV2', 'Identity', 'NoOp', 'Const'), (n.op, n.name)
+        for i in n.input:
+            src = nodes.get(i.lstrip('^').split(':')[0])
+            if src is not None and src.device and n.device and src.device != n.device:
+                crossing.append((n.op, i.startswith('^')))
+    # The forward message (stage 0 -> 1) and the backward one (1 -> 0), one tensor each.
+    assert crossing == [('TensorListSetItem', False)] * 2, crossing

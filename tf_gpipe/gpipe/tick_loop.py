@@ -261,30 +261,36 @@ class TickLoop:
                     kinds[v.ref()] = (v, g)
             self._grad_kinds[s] = list(kinds.values())
 
-        # Columns of the per-tick table: each device's branch and micro-batch.
-        branch_tab = [
-            [branch_of[d][row[d][:2] if row[d][0] != _IDLE else _IDLE] for d in range(K)]
-            for row in table
-        ]
-        mb_tab = [[max(row[d][2], 0) for d in range(K)] for row in table]
-
-        # Write indices per tick: m where stage s's action of one of `kinds` runs, else the
-        # spare slot num_m.
-        def col(s, what):
+        # The per-tick table, one per device (built inside the loop body on that device, so no
+        # tick sends a device its own schedule): its branch, its micro-batch, and the indices
+        # of the list writes it does. A write index is m where stage s's action of one of the
+        # kinds writing `what` runs at that tick, else the spare slot num_m.
+        def write_index(s, what, row):
             kinds = self._Kinds(what)
-            rows = []
-            for row in table:
-                found = [m for kind, st_, m in row if st_ == s and kind in kinds]
-                rows.append(found[0] if found else num_m)
-            return tf.constant(rows, tf.int32)
+            found = [m for kind, st_, m in row if st_ == s and kind in kinds]
+            return found[0] if found else num_m
 
-        idx = {
-            (what, s): col(s, what)
-            for s in range(S)
-            for what in ('x', 'd', 'res', 'bw', 'free', 'sparse', 'out')
-        }
-        branch_tab = tf.constant(branch_tab, tf.int32)
-        mb_tab = tf.constant(mb_tab, tf.int64)
+        columns = {d: {} for d in range(K)}  # device -> {(what, stage): column}
+        for s in range(S):
+            d = sched.device_of(s)
+            for what, at in (('x', s - 1), ('d', s + 1), ('free', s), ('res', s), ('bw', s)):
+                if 0 <= at < S:
+                    columns[d][(what, at)] = None
+            for what in ('sparse', 'out'):
+                columns[d][(what, s)] = None
+        where = {key: d for d in range(K) for key in columns[d]}
+        tables = {}
+        for d in range(K):
+            keys_d = list(columns[d])
+            columns[d] = {key: 2 + j for j, key in enumerate(keys_d)}
+            tables[d] = [
+                [
+                    branch_of[d][row[d][:2] if row[d][0] != _IDLE else _IDLE],
+                    max(row[d][2], 0),
+                ]
+                + [write_index(st_, what, row) for what, st_ in keys_d]
+                for row in table
+            ]
 
         # ---- initial state (no None leaves: loop state and branch outputs are tensors) -------
         def new_list(spec, device):
@@ -339,7 +345,9 @@ class TickLoop:
             },
             dense={},
             sparse={},
-            loss=[tf.zeros([]), tf.zeros([])],
+            loss=_on(stages[-1].device, lambda: [tf.zeros([]), tf.zeros([])]),
+            # Each device counts the ticks itself: no tick sends it the loop counter.
+            clock={d: _on(devices[d], lambda: tf.zeros([], tf.int32)) for d in range(K)},
             out=[new_list(sp, stages[-1].device) for sp in present(stages[-1].out_flat)]
             if want_outputs
             else [],
@@ -404,46 +412,59 @@ class TickLoop:
             sparse_specs,
             want_outputs,
         )
+        # The step and the seed base as every device's own copy (read at every tick).
+        ctx.step = {d: _on(devices[d], lambda: tf.identity(self.step)) for d in range(K)}
+        ctx.seed_base = {
+            d: _on(devices[d], lambda: tf.cast(self.seed_base, tf.int64)) for d in range(K)
+        }
 
         # ---- the body ------------------------------------------------------------------------
         def body(t, state):
-            messages = {}
+            messages, rows = {}, {}
             for d in range(K):
                 with distribute.on(devices[d]):
-                    m = mb_tab[t, d]
+                    rows[d] = tf.gather(tf.constant(tables[d], tf.int32), state['clock'][d])
+                    m = tf.cast(rows[d][1], tf.int64)
                     fns = [self._Branch(key, d, m, state, ctx) for key in keys[d]]
                     if len(fns) > 1:
-                        messages[d] = tf.switch_case(branch_tab[t, d], fns)
+                        messages[d] = tf.switch_case(rows[d][0], fns)
                     else:
                         messages[d] = fns[0]()
-            new = dict(x={}, d={}, dense={}, sparse={}, res={}, bw={})
+
+            def at(what, s):
+                d = where[(what, s)]
+                return rows[d][columns[d][(what, s)]]
+
+            new = dict(x={}, d={}, dense={}, sparse={}, res={}, bw={}, clock={})
             # Boundary writes, on the consumer's device: the message at m (or the spare slot),
             # then an empty tensor over what its last backward action used.
             for s in range(1, S):
                 sent = messages[sched.device_of(s - 1)]['fwd'][s - 1]
                 specs = present(stages[s].in_flat)
                 with distribute.on(stages[s].device):
-                    i, j = idx[('x', s - 1)][t], idx[('free', s)][t]
+                    i, j = at('x', s - 1), at('free', s)
                     newest = [
                         ta.write(i, y).write(j, _empty(sp))
                         for ta, y, sp in zip(state['x'][s][0], sent, specs)
                     ]
-                    new['x'][s] = [newest] + state['x'][s][:-1]
+                    # Older versions pass through, placed here too (an unplaced identity would
+                    # land on another device and cost a send per tick).
+                    new['x'][s] = [newest] + _on_device(state['x'][s][:-1])
             for s in range(S - 1):
                 sent = messages[sched.device_of(s + 1)]['bwd'][s + 1]
                 specs = [sp for sp in stages[s].out_flat if _is_float_spec(sp)]
                 with distribute.on(stages[s].device):
-                    i, j = idx[('d', s + 1)][t], idx[('free', s)][t]
+                    i, j = at('d', s + 1), at('free', s)
                     newest = [
                         ta.write(i, g).write(j, _empty(sp))
                         for ta, g, sp in zip(state['d'][s][0], sent, specs)
                     ]
-                    new['d'][s] = [newest] + state['d'][s][:-1]
+                    new['d'][s] = [newest] + _on_device(state['d'][s][:-1])
             for s, ref in sparse_specs:
                 name = _key(s, ref, sparse_specs)
                 sent = messages[sched.device_of(s)]['sparse'][name]
                 with distribute.on(stages[s].device):
-                    i = idx[('sparse', s)][t]
+                    i = at('sparse', s)
                     new['sparse'][name] = [
                         ta.write(i, g) for ta, g in zip(state['sparse'][name], sent)
                     ]
@@ -452,31 +473,37 @@ class TickLoop:
                     sent = messages[sched.device_of(s)][what][s]
                     specs = (stages[s].res_pack if what == 'res' else stages[s].bw_pack).specs
                     with distribute.on(stages[s].device):
-                        i, j = idx[(what, s)][t], idx[('free', s)][t]
+                        i, j = at(what, s), at('free', s)
                         new[what][s] = [
                             ta.write(i, y).write(j, _empty(sp))
                             for ta, y, sp in zip(lists, sent, specs)
                         ]
             for d in range(K):
                 new['dense'][d] = messages[d]['dense']
+                with distribute.on(devices[d]):
+                    new['clock'][d] = state['clock'][d] + 1
             last = messages[sched.device_of(S - 1)]
             with distribute.on(stages[-1].device):
                 new['loss'] = [
                     state['loss'][0] + last['loss'][0],
                     state['loss'][1] + last['loss'][1],
                 ]
-                i = idx[('out', S - 1)][t]
+                i = at('out', S - 1)
                 new['out'] = [ta.write(i, o) for ta, o in zip(state['out'], last.get('out', []))]
             return t + 1, new
 
-        _, final = tf.while_loop(
-            lambda t, _: t < ticks,
-            body,
-            (tf.constant(0), state),
-            maximum_iterations=ticks,
-            # Devices drift apart by up to DELAY ticks per hop: let that many ticks be in flight.
-            parallel_iterations=max(10, 2 * DELAY * K),
-        )
+        # tf.while_loop returns the body's results through identities it makes itself, with
+        # no device: placed by default on the first device, each would cost a send there and
+        # back at every tick. The device function puts such an identity beside its input.
+        with tf.compat.v1.device(_beside_input):
+            _, final = tf.while_loop(
+                lambda t, _: t < ticks,
+                body,
+                (tf.constant(0), state),
+                maximum_iterations=ticks,
+                # Devices drift apart by up to DELAY ticks per hop: that many ticks in flight.
+                parallel_iterations=max(10, 2 * DELAY * K),
+            )
         self._Collect(final, num_m, want_outputs)
 
     def _Want(self, kind, s):
@@ -597,7 +624,7 @@ class TickLoop:
                 flat = [
                     t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
                 ]
-                y, residuals = fns.Forward(flat + [self.step, seed])
+                y, residuals = fns.Forward(flat + [ctx.step[d], seed])
                 msg['res'][s] = st.res_pack.Pack(residuals)
                 forward_message(msg, y)
                 return msg
@@ -634,17 +661,17 @@ class TickLoop:
             msg = default()
             runner = st.runner
             # Micro-batch m draws its randomness as global micro-batch seed_base + m.
-            seed = m + tf.cast(self.seed_base, tf.int64)
+            seed = m + ctx.seed_base[d]
             if kind in _KEPT.values():
                 return run_kept(msg, seed)
             if kind == FORWARD:
-                y = runner.Forward(read_inputs(), read_targets(), self.step, seed)
+                y = runner.Forward(read_inputs(), read_targets(), ctx.step[d], seed)
                 forward_message(msg, y)
                 return msg
             want = self._Want(kind, s)
             if kind == _FB:
                 y, d_x, d_vars = runner.ForwardBackward(
-                    read_inputs(), read_targets(), output_grads(), self.step, seed, want
+                    read_inputs(), read_targets(), output_grads(), ctx.step[d], seed, want
                 )
                 outputs, weighted, weight = y
                 msg['loss'] = [weighted, weight]
@@ -652,7 +679,7 @@ class TickLoop:
                     msg['out'] = [o for o in tf.nest.flatten(outputs) if o is not None]
             else:
                 d_x, d_vars = runner.Backward(
-                    read_inputs(), read_targets(), output_grads(), self.step, seed, want
+                    read_inputs(), read_targets(), output_grads(), ctx.step[d], seed, want
                 )
             if want in ('all', 'inputs') and s > 0:
                 msg['bwd'][s] = list(d_x)
@@ -748,6 +775,23 @@ def _unpack(flats, layout, dtypes):
         out.append(tf.reshape(flat[start : start + size], shape))
         offsets[dt] = start + size
     return out
+
+
+def _beside_input(op):
+    """A device function: an identity without a device goes where its input is."""
+    if op.type == 'Identity' and not op.device and op.inputs and op.inputs[0].device:
+        return op.inputs[0].device
+    return op.device
+
+
+def _on(device, fn):
+    with distribute.on(device):
+        return fn()
+
+
+def _on_device(tree):
+    """Identities of `tree`'s TensorArrays under the current device scope."""
+    return tf.nest.map_structure(lambda ta: ta.identity(), tree)
 
 
 class UnsupportedError(Exception):
