@@ -1,4 +1,5 @@
-"""The step's program does not grow with M beyond a constant per micro-batch, whatever L.
+"""The step's program does not grow with M beyond a constant per micro-batch, whatever L
+(the unrolled executor, tick_loop=False), and not at all (the tick loop, the default).
 
 Counted, not timed: the nodes of a traced `ComputeGradients` step (outer graph; the function
 library holds each cell's F, B and W once) at two M and two L, for every schedule and policy.
@@ -14,7 +15,7 @@ from tf_gpipe import gpipe, layers
 K = 2
 
 
-def _pipe(num_layers, m, schedule, policy):
+def _pipe(num_layers, m, schedule, policy, loop):
     fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
     sub = [fc.Copy().Set(name=f'fc{i}') for i in range(num_layers)]
     v = 2 if schedule == 'interleaved_1f1b' else 1
@@ -29,13 +30,14 @@ def _pipe(num_layers, m, schedule, policy):
             recompute=policy,
             schedule=schedule,
             virtual_stages=v,
+            tick_loop=loop,
         )
         .Instantiate()
     )
 
 
-def _nodes(num_layers, m, schedule, policy):
-    pipe = _pipe(num_layers, m, schedule, policy)
+def _nodes(num_layers, m, schedule, policy, loop):
+    pipe = _pipe(num_layers, m, schedule, policy, loop)
     x = tf.ones([2 * m, 4])
 
     def step():
@@ -47,11 +49,14 @@ def _nodes(num_layers, m, schedule, policy):
 
 @pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'])
 @pytest.mark.parametrize('policy', ['never', 'except_last', 'always'])
-def test_nodes_per_micro_batch_do_not_depend_on_the_layers(schedule, policy):
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+def test_nodes_per_micro_batch_do_not_depend_on_the_layers(schedule, policy, loop):
     few, many = 4, 12  # layers (per cell: 1 and 3 under interleaving, 2 and 6 otherwise)
-    counts = {(n, m): _nodes(n, m, schedule, policy) for n in (few, many) for m in (2, 4)}
+    counts = {(n, m): _nodes(n, m, schedule, policy, loop) for n in (few, many) for m in (2, 4)}
     per_mb_few = (counts[few, 4] - counts[few, 2]) / 2
     per_mb_many = (counts[many, 4] - counts[many, 2]) / 2
     # Each action adds a call and a few ordering ops: a constant, the same for 4 and 12 layers.
     assert per_mb_many == per_mb_few, counts
     assert per_mb_few <= 40 * K, counts  # a small constant per micro-batch, not a cell body
+    if loop:
+        assert per_mb_few == 0, counts  # micro-batches are iterations

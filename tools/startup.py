@@ -3,11 +3,12 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=docs/results/startup.json
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
-    python tools/startup.py --tick_loop ...   # PipelinedLayer tick_loop=True
+    python tools/startup.py --notick_loop ...   # the unrolled executor (tick_loop=False)
+    python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
-Transformer stack (d=32, 2 heads, hidden 64, batch 64 x 16 tokens). Per step: trace seconds
+Transformer stack (d=--dim, 2 heads, hidden 2d, batch 64 x 16 tokens). Per step: trace seconds
 (`get_concrete_function`), first-call seconds, nodes of the outer graph and of its function
 library, and the steady step (median of --steps calls). Printed: start-up (trace + first call)
 per M, its growth from the smallest to the largest M, the ratio to the plain step's at the
@@ -34,7 +35,10 @@ POLICY = flags.DEFINE_enum(
     'recompute', 'except_last', ['always', 'except_last', 'never'], 'Recompute policy.'
 )
 TICK_LOOP = flags.DEFINE_bool(
-    'tick_loop', False, 'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks.'
+    'tick_loop',
+    True,
+    'PipelinedLayer.tick_loop (the default): the schedule as a loop over clock ticks; '
+    '--notick_loop measures the unrolled executor.',
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
@@ -42,12 +46,13 @@ COMPARE = flags.DEFINE_bool(
     'With --tick_loop: also measure the unrolled executor in the same process (its start-up '
     "and steady step at the largest M, beside the loop's).",
 )
+DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer layers (hidden 2d).')
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
 BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 CHILD = flags.DEFINE_string('child', '', 'Internal: "K,L,M" measured in this process.')
 
-DIM, HEADS, HIDDEN, SEQ = 32, 2, 64, 16
+HEADS, SEQ = 2, 16
 
 
 def _measure(step, args):
@@ -87,13 +92,14 @@ def _child(spec):
     from tf_gpipe.nested_map import NestedMap
 
     tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
-    tr = layers.TransformerLayer.Params().Set(input_dim=DIM, num_heads=HEADS, hidden_dim=HIDDEN)
+    dim = DIM.value
+    tr = layers.TransformerLayer.Params().Set(input_dim=dim, num_heads=HEADS, hidden_dim=2 * dim)
     sub = [tr.Copy().Set(name=f'tr{i}') for i in range(num_layers)]
     x = NestedMap(
-        vecs=tf.random.stateless_normal([BATCH.value, SEQ, DIM], [1, 1]),
+        vecs=tf.random.stateless_normal([BATCH.value, SEQ, dim], [1, 1]),
         paddings=tf.zeros([BATCH.value, SEQ]),
     )
-    targets = tf.random.stateless_normal([BATCH.value, SEQ, DIM], [2, 2])
+    targets = tf.random.stateless_normal([BATCH.value, SEQ, dim], [2, 2])
 
     def loss_fn(out, t):
         return tf.reduce_mean(tf.reduce_sum(out.vecs * t, -1))
@@ -213,6 +219,7 @@ def main(argv):
                     f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
+                    f'--dim={DIM.value}',
                 ]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if done.returncode:
@@ -230,8 +237,11 @@ def main(argv):
     result = dict(
         bench_common.run_metadata(),
         startup=True,
-        **(dict(engine='tick loop (tick_loop=True)') if TICK_LOOP.value else {}),
-        model=f'Transformer d={DIM}, {HEADS} heads, hidden {HIDDEN}, batch {BATCH.value} x {SEQ}',
+        engine='tick loop (tick_loop=True)' if TICK_LOOP.value else 'unrolled (tick_loop=False)',
+        model=(
+            f'Transformer d={DIM.value}, {HEADS} heads, hidden {2 * DIM.value}, '
+            f'batch {BATCH.value} x {SEQ}'
+        ),
         recompute=POLICY.value,
         rows=rows,
         summary=summarise(rows),

@@ -272,18 +272,26 @@ class CellRunner:
         then computes the weight gradients too (exact; the W that follows has nothing to do)."""
         fns = None
         if not (self._jit or tf.executing_eagerly() or tf.distribute.has_strategy()):
-            key = tuple(
-                (tuple(t.shape), t.dtype) if t is not None else None
-                for t in tf.nest.flatten((inputs, targets))
-            ) + (str(tf.nest.map_structure(lambda _: 0, (inputs, targets))),)
-            if key not in self._split:
-                self._split[key] = split_functions.build(self, inputs, targets, step, micro_batch)
-            fns = self._split[key]
+            fns = self.Split(inputs, targets, step, micro_batch)
         if fns is None:
             return self.ForwardKeep(inputs, targets, step, micro_batch)
         flat = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
         outputs, residuals = fns.Forward(flat + [step, micro_batch])
         return outputs, (fns, residuals)
+
+    def Split(self, inputs, targets, step, micro_batch, split=True):
+        """split_functions.build for these input shapes (tensors or TensorSpecs), built once
+        per signature and shared by the unrolled executor and the tick loop; None when the
+        forward's stateful ops need an order."""
+        key = tuple(
+            (tuple(t.shape), t.dtype) if t is not None else None
+            for t in tf.nest.flatten((inputs, targets))
+        ) + (str(tf.nest.map_structure(lambda _: 0, (inputs, targets))), split)
+        if key not in self._split:
+            self._split[key] = split_functions.build(
+                self, inputs, targets, step, micro_batch, split=split
+            )
+        return self._split[key]
 
     def SplitBackward(self, kept, output_grads, want_inputs):
         """Zero-bubble's B on a kept forward: (d_float_inputs, [(variable, d_variable)] of the

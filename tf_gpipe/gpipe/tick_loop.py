@@ -31,7 +31,7 @@ unrolled executor then).
 import tensorflow as tf
 
 from tf_gpipe import distribute
-from tf_gpipe.gpipe import executor, schedules, split_functions, trace
+from tf_gpipe.gpipe import executor, schedules, trace
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 
 _IDLE = 'idle'
@@ -237,13 +237,8 @@ class TickLoop:
             if used & set(_KEPT.values()):
                 if st.runner._jit:
                     raise UnsupportedError('a kept micro-batch of an XLA-compiled cell')
-                st.fns = split_functions.build(
-                    st.runner,
-                    st.in_struct,
-                    st.tgt_struct,
-                    step_spec,
-                    mb_spec,
-                    split=sched.split_backward,
+                st.fns = st.runner.Split(
+                    st.in_struct, st.tgt_struct, step_spec, mb_spec, split=sched.split_backward
                 )
                 if st.fns is None:
                     raise UnsupportedError('a kept forward whose stateful ops need an order')
@@ -495,6 +490,9 @@ class TickLoop:
         # tf.while_loop returns the body's results through identities it makes itself, with
         # no device: placed by default on the first device, each would cost a send there and
         # back at every tick. The device function puts such an identity beside its input.
+        # The While op itself stays unplaced: TF then places each loop variable's Enter, Merge,
+        # Switch and NextIteration beside its initial value (a device given here would gather
+        # them all on that device).
         with tf.compat.v1.device(_beside_input):
             _, final = tf.while_loop(
                 lambda t, _: t < ticks,
@@ -697,8 +695,8 @@ class TickLoop:
                 with distribute.on(stages[d].device):
                     sizes = [sp.shape.num_elements() for _, sp in group]
                     pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
-                for (v, sp), piece in zip(group, pieces):
-                    self.sums.Add(v, tf.reshape(piece, sp.shape))
+                    for (v, sp), piece in zip(group, pieces):
+                        self.sums.Add(v, tf.reshape(piece, sp.shape))
         for s, ref in self._sparse_specs:
             vals, inds = final['sparse'][_key(s, ref, self._sparse_specs)]
             v = ref.deref()

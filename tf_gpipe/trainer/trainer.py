@@ -283,7 +283,7 @@ class Trainer:
             graph = self._train_step.get_concrete_function().graph.as_graph_def()
             logging.info(
                 'Traced the training step in %.1f s: %d ops in the step, %d in its %d '
-                'functions (the step grows by a constant per micro-batch).',
+                'functions.',
                 time.time() - traced,
                 len(graph.node),
                 sum(len(f.node_def) for f in graph.library.function),
