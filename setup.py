@@ -15,6 +15,7 @@ setup(
         'keras>=3',
         'tensorflow-datasets',
         'absl-py',
+        'grpcio',  # cluster_spec.is_tf_server asks a worker over TF's own transport
         'tensorboard',
         'numpy',
     ],

@@ -38,10 +38,17 @@ def test_the_demo_model_passes():
             'task.train.learner.learning_rate=-0.1',
             'task.train.learner.learning_rate=-0.1 must be a finite',
         ),
+        (
+            'task.train.learner.learning_rate=nan',
+            'task.train.learner.learning_rate=nan must be a finite number > 0',
+        ),
+        ('task.train.learner.epsilon=-inf', 'task.train.learner.epsilon=-inf must be a finite'),
         ('task.train.learner.beta2=1.0', r'task.train.learner.beta2=1.0 must be in \[0, 1\)'),
         ('task.pipeline.num_micro_batches=0', 'task.pipeline.num_micro_batches=0 must be int'),
         ('task.pipeline.recompute=sometimes', "Unknown recompute 'sometimes'"),
         ('task.pipeline.schedule=1fb1', "Unknown schedule '1fb1' \\(did you mean '1f1b'"),
+        ('task.fprop_dtype=tf.int32', 'task.fprop_dtype=tf.int32 must be a floating dtype'),
+        ('task.dtype=tf.int64', 'task.dtype=tf.int64 must be a floating dtype'),
     ],
 )
 def test_a_bad_value_is_named(override, message):
@@ -78,3 +85,12 @@ def test_every_registered_model_passes():
     assert len(built_in) >= 5, built_in
     for key in built_in:
         checks.CheckParams(model_registry.GetClass(key)().Task())
+
+
+def test_a_missing_warm_start_checkpoint_is_named_before_the_logdir_is_made(tmp_path):
+    p = _task()
+    missing = str(tmp_path / 'old' / 'ckpt-5')
+    p.task.train.init_from_checkpoint_rules = {missing: ([('(.*)', '%s')], [])}
+    with pytest.raises(ValueError, match=rf'is not a checkpoint \(no {missing}.index\)'):
+        trainer.Trainer(p, str(tmp_path / 'run')).Build()
+    assert not (tmp_path / 'run').exists()

@@ -1,5 +1,6 @@
 """Cluster specs from text and TF_CONFIG, and bounded waits that name the silent tasks."""
 
+import http.server
 import json
 import socket
 import threading
@@ -38,7 +39,9 @@ def test_from_tf_config():
             cluster_spec.from_tf_config({'TF_CONFIG': bad})
 
 
-def test_unreachable_and_bounded_wait():
+def test_unreachable_and_bounded_wait(monkeypatch):
+    # Ports that accept connections stand in for TF servers here (the protocol check: below).
+    monkeypatch.setattr(cluster_spec, 'is_tf_server', lambda address, timeout: True)
     listener = socket.socket()
     listener.bind(('127.0.0.1', 0))
     listener.listen()
@@ -61,3 +64,21 @@ def test_unreachable_and_bounded_wait():
         late.close()
     finally:
         listener.close()
+
+
+def test_a_port_that_speaks_another_protocol_is_named_not_waited_on_forever():
+    # An HTTP server where a worker should be accepted connections, and the trainer said
+    # "Connected" and then hung at its first call: it is refused within the bound.
+    server = http.server.HTTPServer(('127.0.0.1', 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f'127.0.0.1:{server.server_address[1]}'
+    try:
+        assert cluster_spec.unreachable({'worker': [address]}) == []  # the port answers
+        assert not cluster_spec.is_tf_server(address, 2.0)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=rf'worker 0 \({address}\): the port accepts'):
+            cluster_spec.wait_for({'worker': [address]}, 2.0, poll=0.1)
+        assert time.monotonic() - start < 15
+    finally:
+        server.shutdown()
+        server.server_close()

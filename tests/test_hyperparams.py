@@ -237,3 +237,29 @@ def test_aliases_accept_old_names_with_a_deprecation_warning(caplog):
     # A moved name, reached as an attribute of the nested params, says where it went.
     with pytest.raises(AttributeError, match="'eval_steps': it moved to 'eval.steps'"):
         p.train.eval_steps = 3
+
+
+class _UsersLayer(layers.FCLayer):
+    """A user's layer, defined in a module a params file imported."""
+
+
+def test_params_text_names_only_tf_gpipe_classes_and_imports_nothing(tmp_path, monkeypatch):
+    p = hyperparams.Params()
+    p.Define('cls', layers.FCLayer, '')
+    # A user's subclass of a tf_gpipe class, in a module already loaded: read back as written.
+    p.FromText(f'cls : type/{__name__}/_UsersLayer')
+    assert p.cls is _UsersLayer
+    refused = 'is not a class of tf_gpipe'
+    # Anything else is refused: a function, a class of another library (loaded or not).
+    for text in ('type/os/system', 'type/subprocess/Popen', f'type/{__name__}/_Thing'):
+        with pytest.raises(ValueError, match=refused):
+            p.FromText(f'cls : {text}')
+        with pytest.raises(ValueError, match=refused):
+            hyperparams.apply_overrides(p, f'cls={text}')
+    # A module that is not loaded is never imported: its code does not run.
+    (tmp_path / 'planted.py').write_text(f'open({str(tmp_path / "ran")!r}, "w").close()\nX = 1\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=refused):
+        p.FromText('cls : type/planted/X')
+    assert not (tmp_path / 'ran').exists()
+    assert p.cls is _UsersLayer

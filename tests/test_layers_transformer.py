@@ -84,3 +84,12 @@ def test_dropout_is_replayable_and_off_in_eval():
         assert not np.allclose(a, layer.FProp(x))
     with fprop_context.eval_mode():
         np.testing.assert_allclose(layer.FProp(x), reference(layer, x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize('name', ['dropout_prob', 'atten_dropout_prob', 'relu_dropout_prob'])
+def test_a_drop_probability_out_of_range_is_named_as_set(name):
+    # Named as the user set it, not as the keep_prob (-0.5) the layer derives from it.
+    with pytest.raises(
+        ValueError, match=rf"'tr': {name} must be a probability in \[0, 1\), got 1.5"
+    ):
+        _p(**{name: 1.5}).Instantiate()

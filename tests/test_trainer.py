@@ -122,6 +122,15 @@ def test_inspect_and_errors(tmp_path):
     tpu = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--tpu=local')
     assert tpu.returncode == 1 and "No TPU answered for tpu='local'" in tpu.stderr, tpu.stderr
     assert 'Run on a TPU VM with --tpu=local' in tpu.stderr and 'Traceback' not in tpu.stderr
+    # A second trainer on a logdir in use stops at once, naming the holder (here: this test).
+    from tf_gpipe.trainer.logdir_lock import LogdirLock
+
+    with LogdirLock(str(tmp_path)):
+        busy = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--max_steps=1')
+    assert busy.returncode == 1 and f'in use by another trainer (pid {os.getpid()}' in busy.stderr
+    assert 'Traceback' not in busy.stderr and not os.path.exists(
+        tmp_path / 'checkpoints' / 'checkpoint'
+    )
 
 
 def test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works(tmp_path):

@@ -409,6 +409,19 @@ def elementwise_meta(p, inputs, flops_per_element, param_count, keeps_activation
     return Meta(flops_per_element * n, inputs, param_count, act_bytes)
 
 
+def check_probability(p, *names):
+    """Raises a ValueError unless each named field of `p` is a drop probability in [0, 1) (named
+    as the user set it, not as the keep_prob it becomes)."""
+    for name in names:
+        value = p.Get(name)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok or not 0.0 <= value < 1.0:
+            raise ValueError(
+                f'{p.cls.__name__} {p.name!r}: {name} must be a probability in [0, 1), got '
+                f'{value!r}.'
+            )
+
+
 def check_positive(p, *names):
     """Raises a ValueError unless each named field of `p` is a positive int."""
     for name in names:

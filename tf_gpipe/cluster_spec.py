@@ -90,13 +90,48 @@ def describe(tasks):
     return ', '.join(f'{job} {i} ({address})' for job, i, address in tasks)
 
 
+def is_tf_server(address, timeout):
+    """Whether TF's worker service answers at `address` (its GetStatus RPC, over TF's own
+    gRPC transport): a port that accepts connections but speaks something else — another
+    program on that port — would otherwise pass for a worker and hang the first real call."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        status = channel.unary_unary('/tensorflow.WorkerService/GetStatus')
+        try:
+            status(b'', timeout=timeout)  # GetStatusRequest has no fields: empty bytes
+            return True
+        except grpc.RpcError:
+            return False
+
+
 def wait_for(spec, timeout, jobs=None, log=None, poll=0.5):
-    """Returns once every task of `jobs` answers; TimeoutError naming each silent task after
-    `timeout` seconds. Pure Python sleeps: Ctrl-C interrupts it at once."""
+    """Returns once every task of `jobs` answers as a TF server; TimeoutError naming each
+    silent task after `timeout` seconds, and each port that answers in another protocol. Pure
+    Python sleeps: Ctrl-C interrupts it at once."""
     deadline = time.monotonic() + timeout
     missing = unreachable(spec, jobs)
     said = None
-    while missing:
+    while True:
+        if not missing:
+            strangers = [
+                (job, i, address)
+                for job, addresses in spec.items()
+                if jobs is None or job in jobs
+                for i, address in enumerate(addresses)
+                if not is_tf_server(address, max(1.0, min(5.0, deadline - time.monotonic())))
+            ]
+            if not strangers:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f'{describe(strangers)}: the port accepts connections but no TF server '
+                    f'answered there within {timeout:g} s (another program on that port?). '
+                    'Check the cluster spec, or start tf_gpipe_worker on a free port.'
+                )
+            time.sleep(poll)
+            missing = unreachable(spec, jobs)
+            continue
         if time.monotonic() >= deadline:
             raise TimeoutError(
                 f'{len(missing)} task(s) did not answer within {timeout:g} s: '

@@ -10,6 +10,7 @@ import ast
 import difflib
 import importlib
 import re
+import sys
 
 import tensorflow as tf
 from absl import logging
@@ -480,6 +481,8 @@ def _eval_node(node, path):
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         operand = _eval_node(node.operand, path)
         return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.Name) and node.id in ('nan', 'inf'):
+        return float(node.id)  # a float, so the checks can say what they accept (finite ...)
     if (
         isinstance(node, ast.Attribute)
         and isinstance(node.value, ast.Name)
@@ -489,13 +492,35 @@ def _eval_node(node, path):
     raise ValueError('not a literal')
 
 
+def _ours(module_name):
+    return module_name == 'tf_gpipe' or module_name.startswith(('tf_gpipe.', 'tf_gpipe_params.'))
+
+
 def _import_type(module_name, qualname, path):
+    """The class `type/<module>/<qualname>` names. Params text is data (an override, a logdir's
+    params.txt): it may name a class of tf_gpipe, of a registered params file, or a subclass of
+    one of tf_gpipe's (a user's layer) in a module already imported; it imports nothing else,
+    so no text runs code (a params *file* is code, by design)."""
+    refused = ValueError(
+        f"Parameter '{path}': type/{module_name}/{qualname} is not a class of tf_gpipe, of a "
+        "registered params file, or a subclass of one of tf_gpipe's in a loaded module: a "
+        'params text may name only those (it imports and runs nothing else). Set it in a '
+        'params file instead.'
+    )
+    if not _ours(module_name) and module_name not in sys.modules:
+        raise refused
     try:
-        obj = importlib.import_module(module_name)
+        obj = (
+            importlib.import_module(module_name)
+            if module_name.startswith('tf_gpipe.') or module_name == 'tf_gpipe'
+            else sys.modules[module_name]
+        )
         for attr in qualname.split('.'):
             obj = getattr(obj, attr)
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, KeyError) as e:
         raise ValueError(f"Parameter '{path}': cannot import {module_name}.{qualname}: {e}") from e
+    if not isinstance(obj, type) or not any(_ours(c.__module__) for c in obj.__mro__):
+        raise refused
     return obj
 
 

@@ -15,6 +15,9 @@ import sys
 import time
 
 import tensorflow as tf
+from absl import logging
+
+from tf_gpipe import exposure
 
 
 def free_ports(n):
@@ -105,6 +108,9 @@ class LocalCluster:
     def connect(self):
         """Makes this process the cluster's client (devices of every worker become usable)."""
         tf.config.experimental_connect_to_cluster(self.cluster_spec, job_name='client')
+        exposed = exposure.warning(int(self.spec['client'][0].rsplit(':', 1)[1]), 'the TF client')
+        if exposed:
+            logging.warning('%s', exposed)
         return self
 
     def kill(self, task):

@@ -14,7 +14,7 @@ import time
 
 import tensorflow as tf
 
-from tf_gpipe import cluster_spec
+from tf_gpipe import cluster_spec, exposure
 
 # Set to the client's pid (LocalCluster does): the worker exits when that process is gone.
 EXIT_WITH_PARENT = 'TF_GPIPE_EXIT_WITH_PARENT'
@@ -51,6 +51,10 @@ def Serve(spec, job_name, task_index, wait=True):
     server = tf.distribute.Server(
         tf.train.ClusterSpec(spec), job_name=job_name, task_index=task_index, protocol='grpc'
     )
+    port = int(spec[job_name][task_index].rsplit(':', 1)[1])
+    exposed = exposure.warning(port, f'TF worker {job_name} {task_index}')
+    if exposed:
+        print(f'tf_gpipe.worker: {exposed}', file=sys.stderr, flush=True)
     print(
         f'ready: {job_name} {task_index} at {spec[job_name][task_index]} '
         f'(pid {os.getpid()}); serving until killed',

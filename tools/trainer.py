@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-from tf_gpipe import cluster, cluster_spec, hyperparams, model_registry  # noqa: E402
+from tf_gpipe import cluster, cluster_spec, exposure, hyperparams, model_registry  # noqa: E402
 
 MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'inspect_checkpoint')
 MODEL = flags.DEFINE_string(
@@ -116,6 +116,9 @@ def _connect():
     servers = [j for j in spec if j != 'client']
     cluster_spec.wait_for(spec, CONNECT_TIMEOUT.value, jobs=servers, log=logging.info)
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name='client')
+    exposed = exposure.warning(int(spec['client'][0].rsplit(':', 1)[1]), "the trainer's TF client")
+    if exposed:
+        logging.warning('%s', exposed)
     mesh = cluster.DeviceMesh.from_cluster(spec)
     logging.info('Connected to the cluster; %s', mesh)
     return cluster.use_mesh(mesh), (spec, servers)

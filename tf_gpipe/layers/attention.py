@@ -54,6 +54,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
         super().__init__(params)
         p = self.params
         base_layer.check_positive(p, 'input_dim', 'num_heads')
+        base_layer.check_probability(p, 'atten_dropout_prob')
         hidden = p.hidden_dim or p.input_dim
         if hidden % p.num_heads:
             raise ValueError(

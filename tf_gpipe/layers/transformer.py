@@ -35,6 +35,7 @@ class TransformerLayer(base_layer.BaseLayer):
         super().__init__(params)
         p = self.params
         base_layer.check_positive(p, 'input_dim', 'num_heads')
+        base_layer.check_probability(p, 'dropout_prob', 'atten_dropout_prob', 'relu_dropout_prob')
         d, hidden = p.input_dim, p.hidden_dim or 4 * p.input_dim
         ln = normalization.LayerNorm.Params().Set(input_dim=d)
         atten = attention.MultiHeadAttention.Params().Set(

@@ -9,7 +9,10 @@ learning rate applied once before the divergence check).
 import difflib
 import math
 
+import tensorflow as tf
+
 from tf_gpipe.gpipe import RECOMPUTE_POLICIES, schedules
+from tf_gpipe.trainer import checkpoints
 
 
 def _at_least(problems, name, value, low, kind=int):
@@ -21,6 +24,10 @@ def _positive_number(problems, name, value, allow_zero=False):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         problems.append(f'{name}={value!r} must be a finite number {">=" if allow_zero else ">"} 0')
+
+
+def _dtype_name(value):
+    return f'tf.{value.name}' if isinstance(value, tf.dtypes.DType) else repr(value)
 
 
 def _is_rule(rule):
@@ -53,6 +60,12 @@ def _problems(task_p):
             "([(regex, format)], [ignore regex])}, e.g. {'/old/ckpt-100': "
             "([('task/network/(.*)', 'task/network/%s')], [])}"
         )
+    else:
+        for path in rules:
+            try:
+                checkpoints.Resolve(path)
+            except FileNotFoundError as e:
+                problems.append(f'task.train.init_from_checkpoint_rules: {e}')
     learner = train.learner
     _positive_number(problems, 'task.train.learner.learning_rate', learner.learning_rate)
     _positive_number(problems, 'task.train.learner.epsilon', learner.epsilon)
@@ -64,6 +77,16 @@ def _problems(task_p):
         value = learner.Get(name)
         if not isinstance(value, (int, float)) or not 0 <= value < 1:
             problems.append(f'task.train.learner.{name}={value!r} must be in [0, 1)')
+    for name in ('dtype', 'fprop_dtype'):
+        value = task_p.Get(name)
+        if name == 'fprop_dtype' and value is None:
+            continue  # the activations take `dtype`
+        if not isinstance(value, tf.dtypes.DType) or not value.is_floating:
+            problems.append(
+                f'task.{name}={_dtype_name(value)} must be a floating dtype (tf.float32, '
+                'tf.bfloat16 or tf.float16): weights, activations and gradients are floats '
+                '(an integer model has no gradient, so it would never train)'
+            )
     pipe = task_p.pipeline
     for name in ('num_partitions', 'num_micro_batches', 'virtual_stages', 'num_replicas'):
         _at_least(problems, f'task.pipeline.{name}', pipe.Get(name), 1)

@@ -15,7 +15,7 @@ from absl import logging
 from tf_gpipe import distribute, fprop_context, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer, partition, replication
 from tf_gpipe.nested_map import NestedMap
-from tf_gpipe.trainer import checkpoints, checks
+from tf_gpipe.trainer import checkpoints, checks, logdir_lock
 
 NONFINITE_POLICIES = ('stop', 'skip')
 
@@ -269,8 +269,14 @@ class Trainer:
         """Trains up to task.train.max_steps; returns the last metrics (floats).
 
         SIGTERM or SIGINT end the run after the current step with a checkpoint (the run can be
-        resumed with the same command).
+        resumed with the same command). The logdir is locked meanwhile: a second trainer on it
+        stops at once with the holder's pid and command (logdir_lock.py).
         """
+        self.Build()
+        with logdir_lock.LogdirLock(self.logdir):
+            return self._Train(eval_too)
+
+    def _Train(self, eval_too):
         self.Restore()
         tp = self.params.task.train
         writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'train'))
@@ -282,8 +288,7 @@ class Trainer:
             traced = time.time()
             graph = self._train_step.get_concrete_function().graph.as_graph_def()
             logging.info(
-                'Traced the training step in %.1f s: %d ops in the step, %d in its %d '
-                'functions.',
+                'Traced the training step in %.1f s: %d ops in the step, %d in its %d functions.',
                 time.time() - traced,
                 len(graph.node),
                 sum(len(f.node_def) for f in graph.library.function),
