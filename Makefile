@@ -69,10 +69,10 @@ plan-results: $(STAMP)
 # (run on an idle machine; the full grid takes about an hour on 2 cores).
 startup-results: $(STAMP)
 	$(PY) tools/startup.py --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
-	$(PY) tools/startup.py --compare_unrolled --num_stages=4 --layers=16 \
+	$(PY) tools/startup.py --tick_loop --compare_unrolled --num_stages=4 --layers=16 \
 	  --micro_batches=4,16,32 \
 	  --output=$(RESULTS)/startup_tick_loop.json > $(RESULTS)/startup_tick_loop.txt
-	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
+	$(PY) tools/startup.py --tick_loop --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt
 	$(MAKE) readme-results

@@ -502,7 +502,12 @@ def test_a_layer_used_twice_stays_one_set_of_weights():
 
 @pytest.mark.parametrize(
     'schedule,options',
-    [('1f1b', {}), ('zero_bubble', {}), ('interleaved_1f1b', {'virtual_stages': 2})],
+    [
+        ('1f1b', {}),
+        ('zero_bubble', {}),
+        ('interleaved_1f1b', {'virtual_stages': 2}),
+        ('1f1b', {'tick_loop': True}),  # full batches by the tick loop, the last one unrolled
+    ],
 )
 def test_every_schedule_trains_like_plain_keras(schedule, options):
     """The compiled loss per micro-batch on the last stage (with sample weights and a batch

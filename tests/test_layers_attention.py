@@ -75,3 +75,13 @@ def test_causal_and_padding_hide_what_they_should():
 def test_heads_must_divide():
     with pytest.raises(ValueError, match='not divisible by num_heads 3'):
         _p(num_heads=3).Instantiate()
+
+
+def test_batch_and_length_known_only_at_run_time():
+    # A served model has a variable batch: the head size must stay static (it was -1, and
+    # math.sqrt(None) failed).
+    layer = _p().Instantiate()
+    x = tf.random.stateless_normal([3, 5, 8], [1, 2])
+    fn = tf.function(layer.FProp).get_concrete_function(tf.TensorSpec([None, None, 8]))
+    assert fn.output_shapes.as_list() == [None, None, 8]
+    np.testing.assert_allclose(fn(x), layer.FProp(x), rtol=1e-6, atol=1e-6)

@@ -85,6 +85,20 @@ def test_train_eval_resume(tmp_path):
     losses = _scalars(f'{logdir}/train', 'loss')
     assert [s for s, _ in losses][-1] == 50 and losses[-1][1] < 0.5 * losses[0][1], losses
 
+    # The export mode (served and compared in test_export.py): the newest checkpoint, once.
+    export_dir = str(tmp_path / 'export')
+    exported = _trainer(
+        f'--model={MODEL}', f'--logdir={logdir}', '--mode=export', f'--export_dir={export_dir}'
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert f'Exported {logdir}/checkpoints/ckpt-50 to {export_dir}.' in exported.stdout
+    assert tf.saved_model.load(export_dir).signatures['serving_default'] is not None
+    again = _trainer(
+        f'--model={MODEL}', f'--logdir={logdir}', '--mode=export', f'--export_dir={export_dir}'
+    )
+    assert again.returncode == 1 and 'already holds a SavedModel' in again.stderr
+    assert 'Traceback' not in again.stderr
+
 
 def test_inspect_and_errors(tmp_path):
     params = _trainer(
@@ -126,7 +140,9 @@ def test_inspect_and_errors(tmp_path):
     from tf_gpipe.trainer.logdir_lock import LogdirLock
 
     with LogdirLock(str(tmp_path)):
-        busy = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--max_steps=1')
+        busy = _trainer(
+            f'--model={MODEL}', f'--logdir={tmp_path}', '--num_logical_cpus=4', '--max_steps=1'
+        )
     assert busy.returncode == 1 and f'in use by another trainer (pid {os.getpid()}' in busy.stderr
     assert 'Traceback' not in busy.stderr and not os.path.exists(
         tmp_path / 'checkpoints' / 'checkpoint'

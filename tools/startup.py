@@ -3,8 +3,8 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=docs/results/startup.json
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
-    python tools/startup.py --notick_loop ...   # the unrolled executor (tick_loop=False)
-    python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
+    python tools/startup.py --tick_loop ...   # the tick loop (PipelinedLayer tick_loop=True)
+    python tools/startup.py --tick_loop --compare_unrolled --dim=256 ...   # both, larger cells
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
@@ -36,9 +36,9 @@ POLICY = flags.DEFINE_enum(
 )
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop',
-    True,
-    'PipelinedLayer.tick_loop (the default): the schedule as a loop over clock ticks; '
-    '--notick_loop measures the unrolled executor.',
+    False,
+    'PipelinedLayer.tick_loop=True: the schedule as a loop over clock ticks (default: the '
+    'unrolled executor, the library default).',
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',

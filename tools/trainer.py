@@ -3,7 +3,8 @@
     python tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
         --num_logical_cpus=4 --params_override='task.pipeline.num_micro_batches=16'
 
-Modes: train | eval | train_and_eval | inspect_params | inspect_model | inspect_checkpoint
+Modes: train | eval | train_and_eval | export (--export_dir=DIR: a SavedModel of the newest
+checkpoint, one device, any batch size) | inspect_params | inspect_model | inspect_checkpoint
 (--checkpoint=<prefix or directory>, or the latest in --logdir). Checkpoints go to
 <logdir>/checkpoints (a restart resumes from the latest), TensorBoard summaries to
 <logdir>/train and <logdir>/eval.
@@ -24,7 +25,15 @@ if ROOT not in sys.path:  # run from a checkout without installing
 
 from tf_gpipe import cluster, cluster_spec, exposure, hyperparams, model_registry  # noqa: E402
 
-MODES = ('train', 'eval', 'train_and_eval', 'inspect_params', 'inspect_model', 'inspect_checkpoint')
+MODES = (
+    'train',
+    'eval',
+    'train_and_eval',
+    'export',
+    'inspect_params',
+    'inspect_model',
+    'inspect_checkpoint',
+)
 MODEL = flags.DEFINE_string(
     'model', None, 'Registered model key, e.g. lm.synthetic.TransformerLmTiny.'
 )
@@ -40,6 +49,12 @@ CHECKPOINT = flags.DEFINE_string(
     'checkpoint', None, 'inspect_checkpoint: a checkpoint prefix or directory (default: --logdir).'
 )
 MAX_STEPS = flags.DEFINE_integer('max_steps', None, 'Overrides task.train.max_steps.')
+EXPORT_DIR = flags.DEFINE_string(
+    'export_dir',
+    None,
+    "export: where the SavedModel of --logdir's newest checkpoint goes (one device, any batch "
+    "size; served without tf_gpipe: its 'serving_default' signature).",
+)
 CPUS = flags.DEFINE_integer('num_logical_cpus', None, 'Split the CPU into this many devices.')
 TPU = flags.DEFINE_string(
     'tpu',
@@ -218,7 +233,18 @@ def main(argv):
         print(table)
         return
     if not LOGDIR.value:
-        raise app.UsageError('--logdir is required for train and eval.')
+        raise app.UsageError('--logdir is required for train, eval and export.')
+    if MODE.value == 'export':
+        from tf_gpipe.trainer import export
+
+        if not EXPORT_DIR.value:
+            raise app.UsageError('export needs --export_dir (a new directory).')
+        try:
+            path = export.Export(p, LOGDIR.value, EXPORT_DIR.value)
+        except (FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
+            sys.exit(f'trainer: {e}')
+        print(f'Exported {path} to {EXPORT_DIR.value}.')
+        return
     import tensorflow as tf
 
     joined = None

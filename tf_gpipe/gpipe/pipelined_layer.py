@@ -78,10 +78,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         p.Define(
             'tick_loop',
-            True,
+            False,
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: a program '
-            'and start-up flat in M (tick_loop.py). False, or a step it cannot run (eager, a '
-            'strategy, uneven micro-batches): one call per action, the program growing with M.',
+            'and start-up flat in M, a slower steady step (tick_loop.py). False, or a step it '
+            'cannot run (eager, a strategy, uneven micro-batches): one call per action, the '
+            'program growing with M.',
         )
         return p
 

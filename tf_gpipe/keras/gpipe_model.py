@@ -67,6 +67,8 @@ class GPipeModel(keras.Model):
       devices: K device names (None: the current mesh, see tf_gpipe.cluster).
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
+      tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop):
+        start-up flat in M, a slower steady step.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
 
@@ -84,6 +86,7 @@ class GPipeModel(keras.Model):
         devices=None,
         partition_by='flops',
         jit_compile=False,
+        tick_loop=False,
         input_shape=None,
         input_dtype=None,
         name=None,
@@ -154,6 +157,7 @@ class GPipeModel(keras.Model):
             virtual_stages=virtual_stages,
             devices=devices,
             jit_compile=jit_compile,
+            tick_loop=tick_loop,
         )
         with tf.init_scope():
             pipe = pipe_p.Instantiate()
@@ -190,6 +194,7 @@ class GPipeModel(keras.Model):
             devices=devices,
             partition_by=partition_by,
             jit_compile=jit_compile,
+            tick_loop=tick_loop,
         )
         self._batch_shape, self._input_dtype = tuple(batch_shape), dtype
         self._input_names = input_names  # several inputs: their names, in order

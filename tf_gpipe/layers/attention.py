@@ -61,6 +61,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
                 f'MultiHeadAttention {p.name!r}: hidden_dim {hidden} is not '
                 f'divisible by num_heads {p.num_heads}.'
             )
+        self._head_dim = hidden // p.num_heads
         zeros = base_layer.WeightInit.Constant(0.0)
         for name in ('query', 'key', 'value'):
             self.CreateVariable(f'w_{name}', [p.input_dim, hidden])
@@ -82,7 +83,9 @@ class MultiHeadAttention(base_layer.BaseLayer):
         if p.bias:
             y += self.CastToFPropDtype(self.vars[f'b_{name}'])
         b, t = tf.shape(y)[0], tf.shape(y)[1]
-        return tf.reshape(y, [b, t, p.num_heads, -1])
+        # The head size from the params, not -1: it stays static when B or T is known only at
+        # run time (a served model's variable batch).
+        return tf.reshape(y, [b, t, p.num_heads, self._head_dim])
 
     def FProp(
         self,
@@ -102,8 +105,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
         q = self._Project(query_vecs, 'query')
         k = self._Project(source_vecs, 'key')
         v = self._Project(source_vecs, 'value')
-        depth = q.shape[-1]
-        logits = tf.einsum('btnh,bsnh->bnts', q, k) / tf.cast(math.sqrt(depth), q.dtype)
+        logits = tf.einsum('btnh,bsnh->bnts', q, k) / tf.cast(math.sqrt(self._head_dim), q.dtype)
         bias = attention_bias(
             tf.shape(q)[1],
             tf.shape(k)[1],
@@ -116,7 +118,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
         probs = self.atten_dropout.FProp(tf.cast(probs, self.fprop_dtype))
         context = tf.einsum('bnts,bsnh->btnh', probs, v)
         b, t = tf.shape(context)[0], tf.shape(context)[1]
-        context = tf.reshape(context, [b, t, -1])
+        context = tf.reshape(context, [b, t, p.num_heads * self._head_dim])
         out = tf.einsum('bth,hd->btd', context, self.CastToFPropDtype(self.vars.w_post))
         if p.bias:
             out += self.CastToFPropDtype(self.vars.b_post)

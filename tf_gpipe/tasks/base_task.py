@@ -19,6 +19,12 @@ def PipelineParams():
     p.Define('splits', None, 'Explicit ending layer indices (overrides partition_by).')
     p.Define('num_replicas', 1, 'R: data-parallel replicas of the pipeline.')
     p.Define('jit_compile', False, 'XLA for each cell.')
+    p.Define(
+        'tick_loop',
+        False,
+        'The training step as a loop over clock ticks: start-up flat in M, a slower steady step '
+        '(PipelinedLayer.tick_loop).',
+    )
     return p
 
 
@@ -71,6 +77,7 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         splits=pp.splits,
         num_replicas=pp.num_replicas,
         jit_compile=pp.jit_compile,
+        tick_loop=pp.tick_loop,
     )
 
 
@@ -129,6 +136,17 @@ class BaseTask(base_layer.BaseLayer):
     def Metrics(self, outputs, targets):
         """NestedMap(loss=scalar, metrics=NestedMap of scalars) of the whole batch."""
         raise NotImplementedError
+
+    def ServingSpecs(self, input_p):
+        """{name: TensorSpec} of a served forward's inputs, the batch (and length) open."""
+        raise NotImplementedError(
+            f'{type(self).__name__} defines no serving signature: define ServingSpecs and '
+            'Serve to export it.'
+        )
+
+    def Serve(self, inputs):
+        """{name: tensor} of the forward on `inputs` (as ServingSpecs names them), eval mode."""
+        raise NotImplementedError(f'{type(self).__name__} defines no Serve.')
 
     def _NumExamples(self, inputs):
         return tf.shape(tf.nest.flatten(inputs)[0])[0]

@@ -58,6 +58,15 @@ class ImageClassifier(base_task.BaseTask):
     def NetworkInputs(self, batch):
         return batch.images, batch.labels
 
+    def ServingSpecs(self, input_p):
+        p = self.params
+        return {'images': tf.TensorSpec([None, p.image_size, p.image_size, p.in_channels])}
+
+    def Serve(self, inputs):
+        """Class logits and probabilities of `images` [B, H, W, C]."""
+        logits = tf.cast(self.network.FProp(inputs['images']), tf.float32)
+        return {'logits': logits, 'probabilities': tf.nn.softmax(logits)}
+
     def MicroBatchLoss(self, logits, labels):
         p = self.params
         log_probs = tf.nn.log_softmax(tf.cast(logits, tf.float32))

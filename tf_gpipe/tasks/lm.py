@@ -1,5 +1,7 @@
 """Transformer language model: embedding, L Transformer layers, softmax — one pipeline."""
 
+import tensorflow as tf
+
 from tf_gpipe import layers
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.tasks import base_task
@@ -76,6 +78,14 @@ class LanguageModel(base_task.TokenLossMixin, base_task.BaseTask):
 
     def NetworkInputs(self, batch):
         return batch.ids, NestedMap(labels=batch.labels, weights=batch.weights)
+
+    def ServingSpecs(self, input_p):
+        return {'ids': tf.TensorSpec([None, None], tf.int32, name='ids')}
+
+    def Serve(self, inputs):
+        """Next-token logits and log-probabilities at every position of `ids` [B, T]."""
+        logits = tf.cast(self.network.FProp(inputs['ids']), tf.float32)
+        return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}
 
     def _Softmax(self):
         return self.network.cells[-1].sub[-1]

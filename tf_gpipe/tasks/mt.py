@@ -210,6 +210,16 @@ class TranslationModel(base_task.TokenLossMixin, base_task.BaseTask):
         )
         return inputs, NestedMap(labels=batch.labels, weights=batch.weights)
 
+    def ServingSpecs(self, input_p):
+        ids, paddings = tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, None])
+        return {'src_ids': ids, 'src_paddings': paddings, 'tgt_ids': ids, 'tgt_paddings': paddings}
+
+    def Serve(self, inputs):
+        """Teacher-forced logits and log-probabilities of the target tokens given the source
+        (one decoding step of a search reads the last position)."""
+        logits = tf.cast(self.network.FProp(NestedMap(**inputs)), tf.float32)
+        return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}
+
     def _Softmax(self):
         return self.network.cells[-1].sub[-1].softmax
 
