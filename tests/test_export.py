@@ -1,6 +1,7 @@
 """export: a model trained at K=2 becomes a SavedModel on one device with an open batch size,
 served in a process that cannot import tf_gpipe, with the pipelined model's predictions."""
 
+import logging
 import os
 import subprocess
 import sys
@@ -68,8 +69,10 @@ def _served(tmp_path, export_dir, inputs):
 def test_served_on_one_device_at_any_batch_equals_the_pipelined_model(tmp_path, key, overrides):
     p, logdir, t = _trained(tmp_path, key, overrides)
     export_dir = str(tmp_path / 'export')
+    absl_level = logging.getLogger('absl').level
     path = export.Export(p, logdir, export_dir)
     assert path == t.manager.latest_checkpoint
+    assert logging.getLogger('absl').level == absl_level  # TF's save pins it; Export restores
     # A batch of 3 (training used 64 / 2 micro-batches), length 7: neither was traced.
     ids = np.random.RandomState(0).randint(1, 16, size=(3, 7)).astype(np.int32)
     if key.startswith('lm.'):

@@ -6,6 +6,7 @@ K), and its forward traced with the batch (and the sequence length) left open. T
 holds graphs and variables only: serving it needs TensorFlow, not tf_gpipe.
 """
 
+import logging as std_logging
 import os
 
 import tensorflow as tf
@@ -62,8 +63,17 @@ def Export(model_params, logdir, export_dir):
         for k, sp in t.task.ServingSpecs(model_params.input).items()
     }
     module = _Serving(t.task, specs)
-    tf.saved_model.save(
-        module, export_dir, signatures={'serving_default': module.serve.get_concrete_function()}
-    )
+    # TF's save reads absl's verbosity and sets it back explicitly, which pins a logger that
+    # inherited its level (absl INFO lines vanish afterwards): restore the logger as it was.
+    absl_logger = std_logging.getLogger('absl')
+    level = absl_logger.level
+    try:
+        tf.saved_model.save(
+            module,
+            export_dir,
+            signatures={'serving_default': module.serve.get_concrete_function()},
+        )
+    finally:
+        absl_logger.setLevel(level)
     logging.info('Exported %s to %s (inputs: %s).', path, export_dir, ', '.join(sorted(specs)))
     return path
