@@ -97,7 +97,7 @@ def test_other_optimizer_or_model_refused_in_one_line(k2_run):
     assert '\n' not in str(e.value)
 
 
-def test_inspect_checkpoint(k2_run):
+def test_inspect_checkpoint(k2_run, tmp_path):
     logdir, ckpt, *_ = k2_run
     text = checkpoints.InspectText(logdir)  # a logdir: its latest checkpoint
     assert text.splitlines()[0].endswith('step 3, optimizer adam, 212 variables')
@@ -121,6 +121,13 @@ def test_inspect_checkpoint(k2_run):
     assert 'optimizer/task/network/emb/emb/velocity' in proc.stdout
     with pytest.raises(FileNotFoundError, match='is not a checkpoint'):
         checkpoints.InspectText(f'{ckpt}x')
+    # A garbage file where the index should be: one line (the tool exits 1 with it), no
+    # traceback.
+    garbage = str(tmp_path / 'garbage')
+    with open(f'{garbage}.index', 'w') as f:
+        f.write('not a checkpoint\n')
+    with pytest.raises(ValueError, match=f'{garbage} is not a readable checkpoint'):
+        checkpoints.InspectText(garbage)
 
 
 def test_warm_start_by_rules(k2_run, tmp_path):

@@ -316,7 +316,13 @@ def InspectText(path):
     """What a checkpoint holds, as text: step, optimizer, then name / shape / dtype per
     variable and the parameter count of the task's variables."""
     path = Resolve(path)
-    step, optimizer, rows = Inspect(path)
+    try:
+        step, optimizer, rows = Inspect(path)
+    except tf.errors.OpError as e:  # a truncated or foreign file where the index should be
+        raise ValueError(
+            f'{path} is not a readable checkpoint ({str(e).splitlines()[0]}). Pass a checkpoint '
+            'prefix (ckpt-N, beside ckpt-N.index) or a directory holding checkpoints.'
+        ) from None
     width = max([len(r[0]) for r in rows] + [4])
     lines = [f'{path}: step {step}, optimizer {optimizer}, {len(rows)} variables', '']
     lines.append(f'{"name":<{width}}  {"shape":<16}  dtype')
