@@ -22,7 +22,7 @@ def test_a_loopback_only_socket_is_not_reported():
         port = s.getsockname()[1]
         assert exposure.reachable_at(port, ['127.0.0.1']) == ['127.0.0.1']  # it does answer
         assert exposure.reachable_at(port) == []  # but nowhere else
-        assert exposure.warning(port) is None
+        assert exposure.warning(f'127.0.0.1:{port}') is None
 
 
 def test_a_loopback_tf_worker_is_reachable_beyond_loopback_and_warns():

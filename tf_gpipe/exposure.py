@@ -56,8 +56,10 @@ def reachable_at(port, addresses=None):
     return reached
 
 
-def warning(port, what='this TF server'):
-    """One line when `port` answers beyond loopback, else None."""
+def warning(address, what='this TF server'):
+    """One line when the port of `address` (a cluster spec's host:port) answers beyond
+    loopback, else None."""
+    port = int(address.rpartition(':')[2])
     reached = reachable_at(port)
     if not reached:
         return None

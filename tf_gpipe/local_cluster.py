@@ -108,7 +108,7 @@ class LocalCluster:
     def connect(self):
         """Makes this process the cluster's client (devices of every worker become usable)."""
         tf.config.experimental_connect_to_cluster(self.cluster_spec, job_name='client')
-        exposed = exposure.warning(int(self.spec['client'][0].rsplit(':', 1)[1]), 'the TF client')
+        exposed = exposure.warning(self.spec['client'][0], 'the TF client')
         if exposed:
             logging.warning('%s', exposed)
         return self

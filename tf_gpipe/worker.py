@@ -51,8 +51,7 @@ def Serve(spec, job_name, task_index, wait=True):
     server = tf.distribute.Server(
         tf.train.ClusterSpec(spec), job_name=job_name, task_index=task_index, protocol='grpc'
     )
-    port = int(spec[job_name][task_index].rsplit(':', 1)[1])
-    exposed = exposure.warning(port, f'TF worker {job_name} {task_index}')
+    exposed = exposure.warning(spec[job_name][task_index], f'TF worker {job_name} {task_index}')
     if exposed:
         print(f'tf_gpipe.worker: {exposed}', file=sys.stderr, flush=True)
     print(

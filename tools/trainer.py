@@ -131,7 +131,7 @@ def _connect():
     servers = [j for j in spec if j != 'client']
     cluster_spec.wait_for(spec, CONNECT_TIMEOUT.value, jobs=servers, log=logging.info)
     tf.config.experimental_connect_to_cluster(tf.train.ClusterSpec(spec), job_name='client')
-    exposed = exposure.warning(int(spec['client'][0].rsplit(':', 1)[1]), "the trainer's TF client")
+    exposed = exposure.warning(spec['client'][0], "the trainer's TF client")
     if exposed:
         logging.warning('%s', exposed)
     mesh = cluster.DeviceMesh.from_cluster(spec)
