@@ -224,8 +224,8 @@ def test_dropout_masks_differ_by_micro_batch_and_step_and_vanish_in_eval():
     _, _, out = _loss_and_grads(pipe, same)
     outs = np.split(out.numpy(), 4)
     assert not np.allclose(outs[0], outs[1])
-    _, _, again = _loss_and_grads(pipe, same)
-    np.testing.assert_allclose(again, out, rtol=1e-6)  # same step, same masks
+    _, _, again = _loss_and_grads(pipe, same)  # a training call outside fit: new masks,
+    assert not np.allclose(again, out, atol=1e-3)  # as plain Keras's Dropout draws
     pipe.fit(same, Y[:16], batch_size=16, verbose=0)  # one optimizer step
     _, _, later = _loss_and_grads(pipe, same)
     assert not np.allclose(np.split(later.numpy(), 4)[0], outs[0], atol=1e-3)

@@ -11,7 +11,7 @@ update, weight decay and gradient clipping run on that device.
 import tensorflow as tf
 
 
-def _device_of(variable):
+def device_of(variable):
     """The device of a tf.Variable, a keras.Variable (its .value) or a tensor; '' if none."""
     value = getattr(variable, 'value', None)
     if value is not None and not callable(value):  # keras.Variable -> tf.Variable
@@ -49,7 +49,7 @@ def build_optimizer(optimizer, variables):
 
 def _colocated(add_variable_from_reference):
     def colocated(reference_variable, *args, **kwargs):
-        with tf.device(_device_of(reference_variable)):
+        with tf.device(device_of(reference_variable)):
             return add_variable_from_reference(reference_variable, *args, **kwargs)
 
     return colocated
@@ -71,12 +71,12 @@ def colocate_updates(optimizer):
     clip_gradients = optimizer._clip_gradients
 
     def colocated_update_step(gradient, variable, learning_rate):
-        with tf.device(_device_of(variable)):
+        with tf.device(device_of(variable)):
             return update_step(gradient, variable, learning_rate)
 
     def colocated_weight_decay(variables):
         for variable in variables:
-            with tf.device(_device_of(variable)):
+            with tf.device(device_of(variable)):
                 apply_weight_decay([variable])
 
     def colocated_clip(grads):
@@ -84,7 +84,7 @@ def colocate_updates(optimizer):
         if not (norm and norm > 0) or optimizer.clipnorm or optimizer.clipvalue:
             out = []
             for g in grads:
-                with tf.device(_device_of(g)):
+                with tf.device(device_of(g)):
                     out.append(clip_gradients([g])[0])
             return out
         return clip_by_global_norm(grads, norm)
@@ -123,7 +123,7 @@ def global_norm(grads, devices=None):
     squares = []
     for g, device in zip(grads, devices or [None] * len(grads)):
         if g is not None:
-            with tf.device(device or _device_of(g)):
+            with tf.device(device or device_of(g)):
                 squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
     return tf.sqrt(tf.add_n(squares))
 
@@ -139,6 +139,6 @@ def clip_by_global_norm(grads, clip_norm, norm=None, devices=None):
         if g is None:
             out.append(None)
             continue
-        with tf.device(device or _device_of(g)):
+        with tf.device(device or device_of(g)):
             out.append(g * tf.cast(scale, g.dtype))
     return out

@@ -58,6 +58,20 @@ def steps_of(model):
     return steps, inputs, outputs, keys.specs
 
 
+def reaching(steps, output_keys):
+    """For each output key, the indices of the steps it depends on (a layer no loss-carrying
+    output depends on gets no gradient, as in plain Keras)."""
+    out = []
+    for key in output_keys:
+        needed, reached = {key}, set()
+        for i in reversed(range(len(steps))):
+            if needed & set(steps[i].outputs):
+                reached.add(i)
+                needed |= set(tensor_keys(steps[i].args, steps[i].call_kwargs))
+        out.append(frozenset(reached))
+    return out
+
+
 def _expand(model, input_keys, keys):
     if type(model).__name__ == 'Sequential':
         return _expand_sequential(model, input_keys, keys)
@@ -92,7 +106,13 @@ def _histories(value):
 
 
 def _triples(refs):
-    return [tuple(refs)] if refs and isinstance(refs[0], str) else [tuple(r) for r in refs]
+    """The (layer, node, index) triples of a config's input or output layers, flat in the
+    order of model.inputs / model.outputs (nested lists walked, dicts by sorted key)."""
+    if isinstance(refs, dict):
+        return [t for key in sorted(refs) for t in _triples(refs[key])]
+    if refs and isinstance(refs[0], str):
+        return [tuple(refs)]
+    return [t for r in refs for t in _triples(r)]
 
 
 def _expand_functional(model, input_keys, keys):

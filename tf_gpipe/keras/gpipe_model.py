@@ -16,10 +16,12 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import distribute, fprop_context, placement
+from tf_gpipe import fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
+from tf_gpipe.keras import clones as keras_clones
 from tf_gpipe.keras import functional
+from tf_gpipe.keras.train_steps import TrainSteps
 from tf_gpipe.layers import keras_masks, keras_state
 from tf_gpipe.layers.keras_layer import KerasLayer
 from tf_gpipe.layers.keras_node import KerasNodeLayer
@@ -44,7 +46,7 @@ def GPipe(sequential, **options):
 
 
 @keras.saving.register_keras_serializable(package='tf_gpipe')
-class GPipeModel(keras.Model):
+class GPipeModel(TrainSteps, keras.Model):
     """A Keras model as a K-cell GPipe pipeline with M micro-batches.
 
     Args:
@@ -101,9 +103,9 @@ class GPipeModel(keras.Model):
         )
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
-        input_names = None
+        input_names, reach = None, None
         if is_functional:
-            originals, sub, in_specs, out_spec = _functional_sub(sequential)
+            originals, sub, in_specs, out_spec, reach = _functional_sub(sequential)
             batch_shape, dtype = in_specs[0]
             if len(in_specs) > 1:
                 if partition_by == 'time':
@@ -182,10 +184,20 @@ class GPipeModel(keras.Model):
                 clones[i] = wrapper.keras_layer
                 continue
             first_use[id(original)] = i
-            if getattr(original, 'built', False) and original.weights:
-                clones[i].set_weights(original.get_weights())
+            if getattr(original, 'built', False) and isinstance(original, keras.layers.Layer):
+                keras_clones.check_clone(original, clones[i])
+                keras_clones.copy_state(original, clones[i])
         self.partition_layers = clones
+        object.__setattr__(self, '_reach', reach)  # per output: the steps it depends on
         self._out_spec = out_spec
+        # The plain model's output structure (a dict, nested lists) and names: Keras maps
+        # compile()'s per-output losses and metrics by them and names history's keys after them.
+        # (Untracked: TF's tracking would wrap a dict, and Keras matches loss dicts by type.)
+        object.__setattr__(
+            self, '_out_template', _output_template(sequential) if is_functional else None
+        )
+        if getattr(sequential, 'output_names', None):
+            self.output_names = list(sequential.output_names)
         self._options = dict(
             num_micro_batches=num_micro_batches,
             recompute=recompute,
@@ -265,9 +277,14 @@ class GPipeModel(keras.Model):
                 return keras_masks.attach(out.value, out.mask)
             return out
 
-        if isinstance(self._out_spec, list):
-            return [one(out) for out in outputs]
-        return one(outputs)
+        flat = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return self._Pack([one(out) for out in flat])
+
+    def _Pack(self, flat):
+        """Flat outputs in the plain model's structure (one output: itself)."""
+        if self._out_template is None:
+            return flat[0]
+        return keras.tree.pack_sequence_as(self._out_template, list(flat))
 
     def _Unmasked(self, outputs):
         """Outputs for a per-micro-batch loss, which cannot honour a mask exactly."""
@@ -287,12 +304,10 @@ class GPipeModel(keras.Model):
                 tf.zeros(tf.concat([tf.shape(inputs[0])[:1], s.shape[1:]], 0), s.dtype)
                 for s in tf.nest.flatten(self._out_spec)
             ]
-            return zeros if isinstance(self._out_spec, list) else zeros[0]
-        training = bool(training)
-        step = 0
-        if training and getattr(self, 'optimizer', None) is not None:
-            step = tf.convert_to_tensor(self.optimizer.iterations)  # Dropout masks depend on it.
-        with fprop_context.scope(training=training, step=step):
+            return self._Pack(zeros)
+        if training:
+            return self._TrainingCall(inputs)
+        with fprop_context.scope(training=False):
             return self._Outputs(self._pipe.FProp(*inputs))
 
     def compute_output_spec(self, inputs, training=None):
@@ -301,95 +316,7 @@ class GPipeModel(keras.Model):
             keras.KerasTensor((batch,) + tuple(s.shape[1:]), dtype=s.dtype)
             for s in tf.nest.flatten(self._out_spec)
         ]
-        return specs if isinstance(self._out_spec, list) else specs[0]
-
-    def train_step(self, data):
-        if self._options['schedule'] != 'gpipe':
-            return self._ScheduledTrainStep(data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        # Loss, metrics and the start of the backward pass on the last stage, where the output
-        # is (unplaced, they would run on a TF cluster's client); updates stay with their
-        # variables (Keras colocates them).
-        with distribute.on(self._pipe.devices[-1]):
-            with tf.GradientTape() as tape:
-                y_pred = self(x, training=True)
-                mean = self._LocalMean(x, y, y_pred, sample_weight)
-                counts = self._Counts(x)
-                loss = self.optimizer.scale_loss(self._Share(mean, counts))
-            grads = tape.gradient(loss, self.trainable_weights)
-            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
-            self._TrackLoss(mean, counts)
-            logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        # Batch norm: one moving-average update per step, from the whole batch's statistics.
-        self._pipe.PostTrainingStepUpdate()
-        return logs
-
-    def _LocalMean(self, x, y, y_pred, sample_weight):
-        """This replica's mean loss over its rows (Keras' compute_loss divides it by the number
-        of replicas under a strategy; undone here)."""
-        loss = self.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight)
-        return loss * tf.cast(tf.distribute.get_strategy().num_replicas_in_sync, loss.dtype)
-
-    def _Counts(self, x):
-        """(rows of this replica, rows of the global batch), as floats (one all-reduce)."""
-        n = tf.cast(tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0], tf.float32)
-        return n, distribute.all_reduce_sum(n) if distribute.in_replica_context() else n
-
-    def _Share(self, mean, counts):
-        """This replica's share of the global batch's mean: mean * n / N. The optimizer's
-        all-reduce sums the shares' gradients into the global mean's even when the replicas'
-        rows differ (Keras' own mean / R does not: a last partial batch can leave a replica
-        a single row, or none). `counts`: _Counts."""
-        n, total = counts
-        return tf.where(n > 0, mean * tf.cast(n / tf.maximum(total, 1.0), mean.dtype), 0.0)
-
-    def _TrackLoss(self, mean, counts):
-        """Keras' loss tracker (by its public name): each replica's mean, weighted by its rows."""
-        n, _ = counts
-        for metric in self.metrics:
-            if metric.name == 'loss':
-                metric.update_state(tf.where(n > 0, mean, 0.0), sample_weight=n)
-
-    def _ScheduledTrainStep(self, data):
-        """A training step under a schedule that needs the loss inside the pipeline: the
-        compiled loss per micro-batch on the last stage (`ComputeGradients`), metrics on the
-        merged output, the update as in Keras' own train_step."""
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        targets = (y,) if sample_weight is None else (y, sample_weight)
-
-        # Under a tf.distribute strategy Keras divides every loss by the number of replicas;
-        # ComputeGradients already returns each replica's share of the global batch's mean.
-        replicas = tf.distribute.get_strategy().num_replicas_in_sync
-
-        def loss_fn(y_pred, t):
-            loss = self.compute_loss(
-                y=t[0], y_pred=y_pred, sample_weight=t[1] if len(t) > 1 else None
-            )
-            return self.optimizer.scale_loss(loss * tf.cast(replicas, loss.dtype))
-
-        step = tf.convert_to_tensor(self.optimizer.iterations)
-        with fprop_context.scope(training=True, step=step):
-            loss, grads, y_pred = self._pipe.ComputeGradients(
-                self._Inputs(x), targets, lambda out, t: loss_fn(self._Unmasked(out), t), True
-            )
-        y_pred = self._Outputs(y_pred)
-        by_ref = {v.ref(): g for v, g in zip(self._pipe.trainable_variables, grads)}
-        variables = self.trainable_variables
-        self.optimizer.apply_gradients(
-            zip([by_ref.get(_backing(v).ref()) for v in variables], variables)
-        )
-        self._pipe.PostTrainingStepUpdate()
-        with distribute.on(self._pipe.devices[-1]):
-            if isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
-                loss = loss / tf.cast(self.optimizer.dynamic_scale, loss.dtype)
-            counts = self._Counts(x)
-            n, total = counts  # the share back to this replica's own mean
-            self._TrackLoss(loss * tf.cast(total / tf.maximum(n, 1.0), loss.dtype), counts)
-            return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-    def test_step(self, data):
-        with distribute.on(self._pipe.devices[-1]):
-            return super().test_step(data)
+        return self._Pack(specs)
 
     def build(self, input_shape=None):
         """Built at construction (every partition's weights already exist)."""
@@ -444,11 +371,11 @@ class GPipeModel(keras.Model):
 # ---- helpers ---------------------------------------------------------------------------------
 
 
-def _backing(variable):
-    """The tf.Variable behind a Keras variable (the one the pipeline's tapes see)."""
-    return (
-        getattr(variable, 'value', variable) if not isinstance(variable, tf.Variable) else variable
-    )
+def _output_template(model):
+    """The structure of a functional model's outputs (None for one output), to pack a flat list."""
+    if len(model.outputs) == 1:
+        return None
+    return keras.tree.map_structure(lambda _: 0, model.output)
 
 
 def _carries_mask(outputs):
@@ -473,7 +400,8 @@ def _check_model(model):
 
 
 def _functional_sub(model):
-    """(layers per step, KerasNodeLayer params, input batch shape, dtype, output spec)."""
+    """(layers per step, KerasNodeLayer params, input (batch shape, dtype)s, output spec,
+    the steps each output depends on)."""
     try:
         model.inputs[0]
     except (AttributeError, ValueError, IndexError, TypeError):
@@ -504,12 +432,14 @@ def _functional_sub(model):
             )
         )
     out_specs = [keras.KerasTensor(specs[k][0], dtype=specs[k][1]) for k in outputs]
+    reach = functional.reaching(steps, outputs)
     # Several outputs come back as a list, as from the plain model built with a list.
     return (
         originals,
         sub,
         [specs[k] for k in inputs],
         (out_specs if len(out_specs) > 1 else out_specs[0]),
+        reach,
     )
 
 
