@@ -306,3 +306,124 @@ def test_a_training_call_under_1f1b_names_compute_gradients():
     pipe = GPipe(_classifier(), num_partitions=2, num_micro_batches=2, schedule='1f1b')
     with pytest.raises(ValueError, match=r'model\.compute_gradients\(x, y\)'):
         pipe(X, training=True)
+
+
+SERVE = """
+import sys
+sys.modules['tf_gpipe'] = None  # the artifact must stand alone
+import numpy as np
+import tensorflow as tf
+served = tf.saved_model.load(sys.argv[1])
+np.save(sys.argv[3], served.serve(tf.constant(np.load(sys.argv[2]))).numpy())
+"""
+
+
+def _tagger(seed=0):
+    keras.utils.set_random_seed(seed)
+    x = keras.Input((8,), name='x')
+    h = keras.layers.Dense(16, activation='relu', name='h')(x)
+    h = keras.layers.BatchNormalization(name='bn')(h)
+    h = keras.layers.Dropout(0.2, name='drop')(h)
+    y = keras.layers.Dense(3, name='out')(
+        keras.layers.Add(name='skip')([h, keras.layers.Dense(16)(x)])
+    )
+    return keras.Model(x, y, name='tagger')
+
+
+@pytest.mark.parametrize('functional', [False, True], ids=['sequential', 'functional'])
+def test_to_keras_and_export_serve_the_trained_model_without_tf_gpipe(tmp_path, functional):
+    import os
+    import subprocess
+    import sys
+
+    model = _tagger() if functional else _bn_model()
+    pipe = GPipe(model, num_partitions=2, num_micro_batches=2)
+    pipe.compile(keras.optimizers.Adam(0.01), 'sparse_categorical_crossentropy')
+    pipe.fit(X, Y3, batch_size=16, epochs=2, verbose=0)
+    want = pipe.predict(X, verbose=0)
+    plain = pipe.to_keras()
+    assert type(plain).__name__ in ('Functional', 'Sequential') and plain.name == model.name
+    assert len(plain.weights) == len(model.weights)
+    assert any(np.any(w.numpy() != 0) for w in plain.non_trainable_weights)  # moved averages
+    _assert_close(plain.predict(X, verbose=0), want)
+    pipe.export(str(tmp_path / 'served'))
+    np.save(tmp_path / 'x.npy', X[:5])
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
+    done = subprocess.run(
+        [
+            sys.executable,
+            '-c',
+            SERVE,
+            str(tmp_path / 'served'),
+            str(tmp_path / 'x.npy'),
+            str(tmp_path / 'y.npy'),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_close(np.load(tmp_path / 'y.npy'), want[:5])
+
+
+@pytest.mark.parametrize('functional', [False, True], ids=['sequential', 'functional'])
+def test_lambda_layers_train_like_plain_keras_and_come_back(functional):
+    """A Lambda's Python function is carried as itself (Keras refuses to load serialized
+    bytecode in safe mode): fit, predict and to_keras() as the plain model."""
+
+    def model():
+        keras.utils.set_random_seed(0)
+        scale = keras.layers.Lambda(lambda t: t * 0.5 + 1.0, name='scale')
+        if not functional:
+            return keras.Sequential(
+                [keras.Input((8,)), keras.layers.Dense(8), scale, keras.layers.Dense(3)]
+            )
+        x = keras.Input((8,))
+        h = keras.layers.Dense(8)(x)
+        return keras.Model(x, keras.layers.Dense(3)(keras.layers.Add()([scale(h), h])))
+
+    plain, pipe = model(), GPipe(model(), num_partitions=2, num_micro_batches=2)
+    for m in (plain, pipe):
+        m.compile(keras.optimizers.SGD(0.1), 'sparse_categorical_crossentropy')
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(
+        pipe.fit(X, Y3, **fit).history['loss'], plain.fit(X, Y3, **fit).history['loss'], rtol=1e-5
+    )
+    _assert_close(pipe.predict(X, verbose=0), plain.predict(X, verbose=0))
+    _assert_close(pipe.to_keras().predict(X, verbose=0), plain.predict(X, verbose=0))
+
+
+def test_a_layer_that_adds_a_loss_is_refused_at_construction_by_name():
+    class Penalised(keras.layers.Layer):
+        def call(self, x):
+            self.add_loss(tf.reduce_mean(x**2))
+            return x
+
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(4), Penalised(name='pen'), keras.layers.Dense(2)]
+    )
+    with pytest.raises(ValueError, match=r"^Layer 'pen' \(Penalised\) adds a loss in its call"):
+        GPipe(model, num_partitions=2)
+
+
+def test_compiling_under_a_strategy_the_pipeline_was_not_built_under_is_refused():
+    pipe = GPipe(_classifier(), num_partitions=2)
+    strategy = tf.distribute.MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])
+    with strategy.scope():
+        with pytest.raises(
+            ValueError,
+            match=r'built outside any strategy and is compiled inside '
+            r'the scope of a MirroredStrategy.*mesh\.strategy\(\)\.scope\(\)',
+        ):
+            pipe.compile('sgd', 'mse')
+
+
+def test_summary_shows_the_plain_models_shapes():
+    lines = []
+    model = _two_outputs(as_dict=False)
+    GPipe(model, num_partitions=2).summary(print_fn=lines.append)
+    text = '\n'.join(lines)
+    assert '(None, 2)' in text and '(None, 1)' in text and '(None, 8)' in text, text
+    assert 'GPipe: 2 partitions' in text

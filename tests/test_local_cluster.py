@@ -51,7 +51,7 @@ with local_cluster.LocalCluster(2) as cluster:
     @tf.function
     def train():
         loss, grads = loss_and_grads(pipe)
-        optimizer.apply_gradients(zip(grads, pipe.trainable_variables))
+        placement.apply_gradients(optimizer, zip(grads, pipe.trainable_variables))
         return loss
 
     losses = [float(train()) for _ in range(3)]

@@ -75,25 +75,41 @@ def test_updates_run_on_the_variables_devices(make):
     def step():
         # The caller's scope is some other device: updates must not follow it.
         with tf.device('/device:CPU:0'):
-            optimizer.apply_gradients(zip(grads, variables))
+            placement.apply_gradients(optimizer, zip(grads, variables))
 
     graph = step.get_concrete_function().graph
     assert misplaced_updates(graph) == []
     assert sum(op.type in ASSIGNS for op in graph.get_operations()) >= 2
 
 
-def test_updates_follow_variables_same_numbers_as_keras():
-    # Colocating changes where the ops run, not what they compute.
+@pytest.mark.parametrize(
+    'make',
+    [
+        lambda: tf.keras.optimizers.AdamW(0.1, weight_decay=0.05, global_clipnorm=0.3),
+        lambda: tf.keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.5),
+    ],
+)
+def test_updates_follow_variables_same_numbers_as_keras(make):
+    """Colocating changes where the ops run, not what they compute — with a sparse gradient
+    whose slices repeat a row, which Keras's global norm squares slice by slice."""
+
     def run(colocate):
         variables = _variables_on(['/device:CPU:1', '/device:CPU:2'])
-        optimizer = tf.keras.optimizers.AdamW(0.1, weight_decay=0.05, global_clipnorm=0.3)
+        optimizer = make()
+        apply = placement.apply_gradients if colocate else type(optimizer).apply_gradients
         if colocate:
             placement.build_optimizer(optimizer, variables)
-        grads = [tf.reshape(tf.range(12.0), (4, 3)) * (i + 1) for i in range(2)]
-        step = tf.function(lambda: optimizer.apply_gradients(zip(grads, variables)))
+        grads = [
+            tf.reshape(tf.range(12.0), (4, 3)),
+            tf.IndexedSlices(tf.ones([3, 3]) * 2.0, tf.constant([1, 1, 3]), tf.constant([4, 3])),
+        ]
+        step = tf.function(lambda: apply(optimizer, zip(grads, variables)))
         for _ in range(3):
             step()
-        return [v.numpy() for v in variables]
+        return [v.numpy() for v in variables], optimizer
 
-    for got, want in zip(run(True), run(False)):
-        np.testing.assert_allclose(got, want, rtol=1e-6)
+    (got, optimizer), (want, _) = run(True), run(False)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # The user's optimizer is left as it was: no method replaced on the instance.
+    assert not set(vars(optimizer)) & set(placement._HOOKED)

@@ -55,7 +55,7 @@ def test_keras_layer_internals_used_by_keras_state():
 
 @pytest.mark.parametrize('kind', ['SGD', 'Adam'])
 def test_keras_optimizer_hooks_placement_replaces(kind):
-    """placement.colocate_updates replaces `update_step`, `_apply_weight_decay`,
+    """placement.colocated wraps `update_step`, `_apply_weight_decay`,
     `_clip_gradients` and `_all_reduce_sum_gradients` on the optimizer instance; apply_gradients
     must still call each of them."""
     import keras

@@ -109,3 +109,14 @@ def test_strategy_example_trains_data_x_pipeline():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "['CPU:0', 'CPU:2']" in result.stdout and "['CPU:1', 'CPU:3']" in result.stdout
     assert 0 < float(result.stdout.split('loss ')[-1]) < 1, result.stdout
+
+
+def test_keras_custom_loop_example_trains_under_gpipe_and_1f1b():
+    block = next(b for b in _python_blocks() if 'compute_gradients' in b)
+    result = _run(block)
+    assert result.returncode == 0, result.stderr[-2000:]
+    losses = re.search(
+        r'loss after 30 steps: (\d\.\d+) \(gpipe\), (\d\.\d+) \(1f1b\)', result.stdout
+    )
+    assert losses, result.stdout
+    assert all(float(v) < 0.5 for v in losses.groups()), result.stdout  # from ln 2 = 0.69

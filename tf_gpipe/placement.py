@@ -1,14 +1,21 @@
 """Keep optimizer state, and the optimizer's work, next to the variables it updates.
 
-A Keras 3 optimizer creates its slot variables (momentum, velocity, ...) under the device scope
-that is current when it is built, and computes each update under the scope current when it is
-applied: with the cells' variables on K devices (or K worker processes) both would land on one
-device — on a TF cluster the client — and every step would ship gradients and slots across.
-`build_optimizer` builds it with each slot on its variable's device and makes each variable's
-update, weight decay and gradient clipping run on that device.
+A Keras 3 optimizer creates each slot variable (momentum, velocity, ...) colocated with its
+variable, but computes each update under the device scope that is current when it is applied:
+with the cells' variables on K devices (or K worker processes) the update math would land on one
+device — on a TF cluster the client — and every step would ship gradients and updates across.
+`apply_gradients` applies with each variable's update, weight decay and gradient clipping on
+that variable's device. It leaves the optimizer as it found it: the hooks that place the work
+are on the instance only while it applies (no public Keras API places per-variable work; see
+the README's private-API table), and each calls Keras's own method, so the numbers are Keras's.
 """
 
+import contextlib
+
 import tensorflow as tf
+
+# The optimizer methods `colocated` wraps, each calling the instance's own.
+_HOOKED = ('update_step', '_apply_weight_decay', '_clip_gradients', '_all_reduce_sum_gradients')
 
 
 def device_of(variable):
@@ -28,43 +35,49 @@ def _chain(optimizer):
 
 
 def build_optimizer(optimizer, variables):
-    """Builds `optimizer` for `variables`: slots and update work on each variable's device."""
-    variables = list(variables)
-    for opt in _chain(optimizer):
-        colocate_updates(opt)
-    if optimizer.built:
-        return optimizer
-    # A wrapper (LossScaleOptimizer) builds its inner optimizer, which makes the slots.
-    chain = _chain(optimizer)
-    for opt in chain:
-        opt.add_variable_from_reference = _colocated(opt.add_variable_from_reference)
-    try:
+    """Builds `optimizer` for `variables` outside any function (Keras colocates each slot with
+    its variable: tests/test_placement.py pins it); a built one is returned as it is."""
+    if not optimizer.built:
         with tf.init_scope():
-            optimizer.build(variables)
-    finally:
-        for opt in chain:
-            del opt.add_variable_from_reference
+            optimizer.build(list(variables))
     return optimizer
 
 
-def _colocated(add_variable_from_reference):
-    def colocated(reference_variable, *args, **kwargs):
-        with tf.device(device_of(reference_variable)):
-            return add_variable_from_reference(reference_variable, *args, **kwargs)
+def apply_gradients(optimizer, grads_and_vars, summed=False):
+    """`optimizer.apply_gradients(grads_and_vars)` with each variable's work on its device.
 
-    return colocated
-
-
-def colocate_updates(optimizer):
-    """Runs `optimizer`'s per-variable work on each variable's (and gradient's) device.
-
-    Keras computes updates under the caller's device scope. Here `update_step` and weight
-    decay run on the variable's device, clipping on each gradient's device (a global norm
-    adds one scalar per gradient), and the single-replica all-reduce (an identity) is skipped.
-    Idempotent.
+    summed: the gradients are already summed over a tf.distribute strategy's replicas, so
+    the optimizer's own all-reduce is skipped.
     """
-    if getattr(optimizer, '_tf_gpipe_colocated', False):
-        return optimizer
+    with colocated(optimizer, summed):
+        return optimizer.apply_gradients(grads_and_vars)
+
+
+@contextlib.contextmanager
+def colocated(optimizer, summed=False):
+    """Within: `optimizer`'s per-variable work runs on each variable's (and gradient's) device.
+
+    `update_step` and weight decay run on the variable's device, clipping on each gradient's
+    device (a global norm adds one scalar per gradient, each gradient squared as Keras does:
+    an IndexedSlices by its slices), and the single-replica all-reduce (an identity, but one
+    op over every gradient, on one device) is skipped. On exit the instance is as before.
+    """
+    chain = _chain(optimizer)
+    saved = [{n: opt.__dict__[n] for n in _HOOKED if n in opt.__dict__} for opt in chain]
+    for opt in chain:
+        _install(opt, summed)
+    try:
+        yield optimizer
+    finally:
+        for opt, before in zip(chain, saved):
+            for name in _HOOKED:
+                if name in opt.__dict__:
+                    delattr(opt, name)
+            for name, value in before.items():
+                setattr(opt, name, value)
+
+
+def _install(optimizer, summed):
     update_step = optimizer.update_step
     all_reduce = getattr(optimizer, '_all_reduce_sum_gradients', None)  # TF backend only
     apply_weight_decay = optimizer._apply_weight_decay
@@ -90,10 +103,7 @@ def colocate_updates(optimizer):
         return clip_by_global_norm(grads, norm)
 
     def all_reduce_across_replicas(grads_and_vars):
-        # With no tf.distribute strategy there is one replica and Keras's all-reduce is an
-        # identity — but one IdentityN op over every gradient, placed on a single device
-        # (a cluster's client): every gradient would travel there and back.
-        if not tf.distribute.has_strategy() or getattr(optimizer, '_tf_gpipe_summed', False):
+        if not tf.distribute.has_strategy() or summed:
             return list(grads_and_vars)
         return all_reduce(grads_and_vars)
 
@@ -102,16 +112,6 @@ def colocate_updates(optimizer):
         optimizer._all_reduce_sum_gradients = all_reduce_across_replicas
     optimizer._apply_weight_decay = colocated_weight_decay
     optimizer._clip_gradients = colocated_clip
-    optimizer._tf_gpipe_colocated = True
-    return optimizer
-
-
-def gradients_already_summed(optimizer):
-    """Marks `optimizer` (built by build_optimizer) as applying gradients that are already
-    summed over a strategy's replicas, so its own all-reduce is skipped."""
-    for opt in _chain(optimizer):
-        opt._tf_gpipe_summed = True
-    return optimizer
 
 
 def global_norm(grads, devices=None):
@@ -124,7 +124,10 @@ def global_norm(grads, devices=None):
     for g, device in zip(grads, devices or [None] * len(grads)):
         if g is not None:
             with tf.device(device or device_of(g)):
-                squares.append(tf.reduce_sum(tf.square(tf.cast(g, tf.float32))))
+                # As Keras (and tf.linalg.global_norm): an IndexedSlices by its slices, a row
+                # that several slices update counted once per slice.
+                values = g.values if isinstance(g, tf.IndexedSlices) else g
+                squares.append(tf.reduce_sum(tf.square(tf.cast(values, tf.float32))))
     return tf.sqrt(tf.add_n(squares))
 
 
@@ -140,5 +143,5 @@ def clip_by_global_norm(grads, clip_norm, norm=None, devices=None):
             out.append(None)
             continue
         with tf.device(device or device_of(g)):
-            out.append(g * tf.cast(scale, g.dtype))
+            out.append(g * tf.cast(scale, g.dtype))  # as Keras: an IndexedSlices made dense
     return out

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import gpipe, layers
+from tf_gpipe import gpipe, layers, placement
 from tf_gpipe.gpipe import schedules
 from tf_gpipe.layers.amoebanet import AmoebaNetLayers
 
@@ -128,7 +128,7 @@ def train_step(model, x, optimizer=None, trace_events=None):
                 with tf.device(v.device):
                     v.assign_sub(1e-6 * g)  # plain SGD, run where v lives
         else:
-            optimizer.apply_gradients(zip(grads, variables))
+            placement.apply_gradients(optimizer, zip(grads, variables))
         return loss
 
     if trace_events is None:

@@ -97,7 +97,7 @@ def _replica(job):
     sys.path.insert(0, TOOLS)
     from bench_common import family_layers, seconds
 
-    from tf_gpipe import cluster, gpipe
+    from tf_gpipe import cluster, gpipe, placement
 
     replicas = job['replicas']
     strategy = None
@@ -135,7 +135,7 @@ def _replica(job):
         # Under the strategy: this replica's share of the global mean's gradients; the
         # optimizer's all-reduce (the strategy's collective) sums the shares.
         loss, grads = model.ComputeGradients(x, None, loss_fn)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        placement.apply_gradients(optimizer, zip(grads, model.trainable_variables))
         return loss
 
     def make_input(_=None):

@@ -102,7 +102,7 @@ def _step(model, shape, batch, device):
     @tf.function
     def step():
         loss, grads = model.ComputeGradients(x, None, loss_fn)
-        optimizer.apply_gradients(zip(grads, variables))
+        placement.apply_gradients(optimizer, zip(grads, variables))
         return loss
 
     return step

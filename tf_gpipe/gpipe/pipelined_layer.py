@@ -262,6 +262,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         return list(self._cells)
 
     @property
+    def mesh(self):
+        """The DeviceMesh whose strategy this pipeline was built under (None: no strategy)."""
+        return self._mesh
+
+    @property
     def devices(self):
         """Replica 0's K devices (under a strategy: the running replica's, or the first local
         replica's in cross-replica context)."""

@@ -13,7 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import placement
-from tf_gpipe.layers import keras_state
+from tf_gpipe.layers import keras_layer, keras_state
 
 _PLAIN = (bool, int, float, str, type(None), np.generic)
 _MISSING = object()
@@ -77,7 +77,7 @@ def _constructor_attributes(layer):
     if not _BASE:
         _BASE.append(frozenset(vars(keras.layers.Layer())))
     with keras.StatelessScope():
-        fresh = type(layer).from_config(layer.get_config())
+        fresh = keras_layer.make_layer(type(layer), keras_layer.layer_config(layer))
     return {k: v for k, v in vars(fresh).items() if k not in _BASE[0] and _plain(v)}
 
 

@@ -19,11 +19,11 @@ import tensorflow as tf
 from tf_gpipe import fprop_context, placement
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
+from tf_gpipe.keras import checks, functional
 from tf_gpipe.keras import clones as keras_clones
-from tf_gpipe.keras import functional
 from tf_gpipe.keras.train_steps import TrainSteps
-from tf_gpipe.layers import keras_masks, keras_state
-from tf_gpipe.layers.keras_layer import KerasLayer
+from tf_gpipe.layers import keras_masks
+from tf_gpipe.layers.keras_layer import KerasLayer, layer_config, make_layer
 from tf_gpipe.layers.keras_node import KerasNodeLayer
 from tf_gpipe.nested_map import NestedMap
 
@@ -118,14 +118,14 @@ class GPipeModel(TrainSteps, keras.Model):
             originals = _flat_layers(sequential)
             if not originals:
                 raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
-            _check_supported(originals)
             batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
             in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
+            checks.check_supported(originals, in_shapes)
             sub = [
                 KerasLayer.Params().Set(
                     name=layer_name,
                     keras_layer=type(layer),
-                    config=layer.get_config(),
+                    config=layer_config(layer),
                     input_shape=shape,
                     input_dtype=layer_dtype,
                     autocast=False,
@@ -139,7 +139,14 @@ class GPipeModel(TrainSteps, keras.Model):
         num_partitions, splits = _splits(originals, num_partitions, balance, devices)
         super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
         # A functional model is saved as its own config (the graph), a Sequential by layers.
-        self._source = keras.saving.serialize_keras_object(sequential) if is_functional else None
+        # The model given, for to_keras() (untracked: its weights are not this model's).
+        object.__setattr__(self, '_original', sequential)
+        # (Untracked: Keras's tracker would wrap it, and deserializing the wrapper loses it.)
+        object.__setattr__(
+            self,
+            '_source',
+            keras.saving.serialize_keras_object(sequential) if is_functional else None,
+        )
         cost_batch = _COST_BATCH.get(partition_by, 1)
         pipe_p = PipelinedLayer.Params().Set(
             name='gpipe',
@@ -328,13 +335,61 @@ class GPipeModel(TrainSteps, keras.Model):
                 'cluster. Use GPipe(..., jit_compile=True) to compile each cell with XLA.'
             )
         kwargs['jit_compile'] = False
+        self._CheckStrategy()
         super().compile(*args, **kwargs)
         if self.optimizer is not None:  # Slots next to their variables, on the cells' devices.
             placement.build_optimizer(self.optimizer, self.trainable_variables)
 
+    def _CheckStrategy(self):
+        """compile() under the strategy the pipeline was built under, or under none."""
+        mesh = self._pipe.mesh
+        current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        built = None if mesh is None else mesh.strategy()
+        if current is not built:
+            where = 'outside any strategy' if built is None else 'inside mesh.strategy().scope()'
+            now = (
+                f'inside the scope of a {type(current).__name__}'
+                if current is not None
+                else 'outside any strategy'
+            )
+            raise ValueError(
+                f'{self.name} was built {where} and is compiled {now}: Keras would make the '
+                'optimizer for another set of replicas. Build and compile it in the same place: '
+                'for data parallelism both inside mesh.strategy().scope() (mesh = '
+                'cluster.DeviceMesh.from_local(num_replicas=R, num_stages=K)).'
+            )
+
     def compile_from_config(self, config):
         """Compiles a loaded model as it was saved (Keras skips custom compile methods)."""
         self.compile(**keras.saving.deserialize_keras_object(config))
+
+    # ---- back to one device ------------------------------------------------------------------
+
+    def to_keras(self):
+        """The original architecture as a plain keras.Model on one device, with this model's
+        trained weights and layer state (batch norm's averages, seeds): to serve, export or
+        fine-tune without tf_gpipe. A clone of the model GPipe was given (its nesting too)."""
+        with tf.init_scope():
+            model = keras.models.clone_model(
+                self._original, clone_function=lambda one: make_layer(type(one), layer_config(one))
+            )
+            if not model.built:  # a Sequential given without keras.Input
+                model.build(self._batch_shape)
+            if self._source is None:
+                targets = _flat_layers(model)
+            else:
+                targets = [step.layer for step in functional.steps_of(model)[0]]
+            done = set()
+            for source, target in zip(self.partition_layers, targets):
+                if isinstance(target, keras.layers.Layer) and id(target) not in done:
+                    done.add(id(target))
+                    keras_clones.copy_state(source, target)
+        return model
+
+    def export(self, filepath, *args, **kwargs):
+        """Keras's export of `to_keras()`: a single-device artifact (a SavedModel with a
+        `serve` endpoint by default) that loads without tf_gpipe; arguments as keras.Model's."""
+        return self.to_keras().export(filepath, *args, **kwargs)
 
     # ---- saving ------------------------------------------------------------------------------
 
@@ -412,14 +467,14 @@ def _functional_sub(model):
     if not steps:
         raise ValueError(f'The model {model.name!r} has no layers to pipeline.')
     originals = [step.layer for step in steps]
-    _check_supported(originals)
+    checks.check_supported(originals)
     sub = []
     for i, (name, step) in enumerate(zip(_param_names(originals), steps)):
         sub.append(
             KerasNodeLayer.Params().Set(
                 name=name,
                 keras_layer=type(step.layer),
-                config=step.layer.get_config(),
+                config=layer_config(step.layer),
                 input_shape=[list(s) for s in step.arg_shapes],
                 args=step.args,
                 arg_dtypes=step.arg_dtypes,
@@ -486,20 +541,6 @@ def _makes_mask(layer):
     )
 
 
-def _check_supported(layers):
-    """Refuses what a chain of cells cannot carry: activity losses."""
-    for layer in layers:
-        if not isinstance(layer, keras.layers.Layer):
-            continue  # a Keras op (x + y): no weights, no losses
-        for sub in keras_state.sublayers(layer):
-            if getattr(sub, 'activity_regularizer', None) is not None:
-                raise ValueError(
-                    f'Layer {sub.name!r} has an activity_regularizer, whose loss would be made '
-                    'inside a cell and cannot reach fit(). Use a weight regularizer '
-                    '(kernel_regularizer=...) or add the penalty to the compiled loss.'
-                )
-
-
 def _batch_shape(sequential, input_shape, input_dtype):
     """(batch shape with None batch, input dtype) from input_shape or the built Sequential."""
     if input_shape is not None:
@@ -527,7 +568,7 @@ def _layer_shapes(layers, batch_shape, dtype):
                 spec = layer.compute_output_spec(spec)
             else:
                 with keras.StatelessScope():  # Builds a copy without allocating weights.
-                    copy = type(layer).from_config(layer.get_config())
+                    copy = make_layer(type(layer), layer_config(layer))
                     copy.build(spec.shape)
                     spec = copy.compute_output_spec(spec)
         except Exception as e:

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import distribute, fprop_context
+from tf_gpipe import distribute, fprop_context, placement
 from tf_gpipe.keras import micro_loss
 
 
@@ -74,7 +74,7 @@ class TrainSteps:
                 loss = self.optimizer.scale_loss(self._Share(mean, counts))
             grads = tape.gradient(loss, self.trainable_weights)
             grads = self._WithoutGradient(grads, self.trainable_weights)
-            self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
+            placement.apply_gradients(self.optimizer, zip(grads, self.trainable_weights))
             self._TrackLoss(mean, counts)
             logs = self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
@@ -103,7 +103,9 @@ class TrainSteps:
             self.optimizer.scale_loss,
         )
         variables = self.trainable_variables
-        self.optimizer.apply_gradients(zip(self._WithoutGradient(grads, variables), variables))
+        placement.apply_gradients(
+            self.optimizer, zip(self._WithoutGradient(grads, variables), variables)
+        )
         with distribute.on(self._pipe.devices[-1]):
             if scaled:
                 loss = loss / tf.cast(loss_scale, loss.dtype)
@@ -124,7 +126,8 @@ class TrainSteps:
     def compute_gradients(self, x, y, loss=None, sample_weight=None):
         """(loss, gradients) of one training step under this model's schedule, for a custom
         training loop; apply them with `optimizer.apply_gradients(zip(grads,
-        model.trainable_variables))`.
+        model.trainable_variables))`, or `tf_gpipe.placement.apply_gradients(optimizer, ...)`
+        to run each variable's update on its device.
 
         `loss`: a Keras loss (a name, a function of (y_true, y_pred), or a keras.losses.Loss,
         whose reduction is honoured); None: the compiled loss. As Keras's compute_loss, the

@@ -24,6 +24,28 @@ def _resolve(keras_layer, name, operations=False):
     )
 
 
+def layer_config(layer):
+    """`layer.get_config()`, with a Lambda's Python functions as themselves: Keras serializes
+    them as bytecode, which it refuses to load back in safe mode (rightly, from disk); a copy
+    made in this process needs no deserializing."""
+    config = layer.get_config()
+    if isinstance(layer, keras.layers.Lambda):
+        config['function'] = layer.function
+        if isinstance(config.get('output_shape'), dict):  # a function too
+            config['output_shape'] = layer.compute_output_shape
+        if isinstance(config.get('mask'), dict):
+            config['mask'] = layer.mask
+    return config
+
+
+def make_layer(cls, config):
+    """`cls` from a config of `layer_config` (Python functions in it go to the constructor)."""
+    config = dict(config)
+    if any(callable(v) and not isinstance(v, type) for v in config.values()):
+        return cls(**config)
+    return cls.from_config(config)
+
+
 @contextlib.contextmanager
 def _python_random_seeded(seed):
     """Keras draws default initialiser seeds from Python's `random`; pin it, then restore."""
@@ -70,7 +92,7 @@ class KerasLayer(base_layer.BaseLayer):
         seed = base_layer.variable_seed(self._base_seed, self.seed_name)[0]
         self._seed_for_build = seed
         with _python_random_seeded(seed):
-            self._layer = cls.from_config(dict(p.config))
+            self._layer = make_layer(cls, p.config)
         self._takes_training = 'training' in inspect.signature(self._layer.call).parameters
         self._generators, self._batch_norms = [], []
         if p.input_shape is not None:
@@ -139,7 +161,7 @@ class KerasLayer(base_layer.BaseLayer):
         shapes = [tuple(base_layer.to_shape(s).as_list()) for s in input_shapes]
         arg = shapes[0] if len(shapes) == 1 else shapes
         with keras.StatelessScope():  # Builds without allocating the weights.
-            layer = _resolve(p.keras_layer, p.name).from_config(dict(p.config))
+            layer = make_layer(_resolve(p.keras_layer, p.name), p.config)
             if _builds_by_running(layer):  # a symbolic call builds its sublayers
                 dtype = p.input_dtype or p.fprop_dtype or p.dtype
                 specs = [keras.KerasTensor(s, dtype=dtype) for s in shapes]

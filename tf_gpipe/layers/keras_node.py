@@ -23,6 +23,7 @@ from tf_gpipe.layers.keras_layer import (
     _resolve,
     _size,
     check_no_call_losses,
+    make_layer,
 )
 from tf_gpipe.nested_map import NestedMap
 
@@ -154,7 +155,7 @@ class KerasNodeLayer(KerasLayer):
             return keras_masks.attach(tensor, keras.KerasTensor(tuple(mask), dtype='bool'))
 
         with keras.StatelessScope():  # builds without allocating the weights
-            layer = _resolve(p.keras_layer, p.name, True).from_config(dict(p.config))
+            layer = make_layer(_resolve(p.keras_layer, p.name, True), p.config)
             args = _fill(list(p.args), spec)
             kwargs = {k: _fill(v, spec) for k, v in p.call_kwargs.items()}
             out = layer(*args, **kwargs)

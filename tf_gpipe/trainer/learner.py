@@ -82,8 +82,6 @@ class Learner:
     def Build(self, variables):
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
-        # Prepare sums the replicas' gradients (before L2 and clipping): not the optimizer again.
-        placement.gradients_already_summed(self.optimizer)
 
     def Apply(self, grads, variables, regularized=(), loss=None):
         """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate[, finite]).
@@ -137,4 +135,6 @@ class Learner:
 
     def Update(self, grads, variables):
         """The optimizer's update with prepared (already summed) gradients."""
-        self.optimizer.apply_gradients(zip(grads, variables))
+        # Prepare summed the replicas' gradients (before L2 and clipping): not the optimizer
+        # again.
+        placement.apply_gradients(self.optimizer, zip(grads, variables), summed=True)
