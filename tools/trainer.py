@@ -29,6 +29,7 @@ MODES = (
     'train',
     'eval',
     'train_and_eval',
+    'evaler',
     'export',
     'inspect_params',
     'inspect_model',
@@ -78,6 +79,18 @@ MULTI_WORKER = flags.DEFINE_bool(
     'per worker, its K local devices as the stages, under a MultiWorkerMirroredStrategy. '
     'Without it, TF_CONFIG / --cluster_spec make this process the one client of remote workers.',
 )
+JOB = flags.DEFINE_enum(
+    'job',
+    None,
+    ('trainer', 'evaler_test'),
+    "Lingvo's job names: trainer is --mode=train, evaler_test is --mode=evaler.",
+)
+EVALER_TIMEOUT = flags.DEFINE_float(
+    'evaler_timeout',
+    3600.0,
+    'evaler: seconds to wait for a new checkpoint before giving up (the trainer stopped?).',
+)
+EVALER_POLL = flags.DEFINE_float('evaler_poll_seconds', 5.0, 'evaler: seconds between polls.')
 CONNECT_TIMEOUT = flags.DEFINE_float(
     'connect_timeout', 120.0, 'Seconds to wait for every worker of the cluster to answer.'
 )
@@ -199,9 +212,14 @@ def _for_this_command(error):
     )
 
 
+def _mode():
+    return {'trainer': 'train', 'evaler_test': 'evaler'}[JOB.value] if JOB.value else MODE.value
+
+
 def main(argv):
     del argv
-    if MODE.value == 'inspect_checkpoint':
+    mode = _mode()
+    if mode == 'inspect_checkpoint':
         from tf_gpipe.trainer import checkpoints
 
         where = CHECKPOINT.value or LOGDIR.value
@@ -222,10 +240,10 @@ def main(argv):
         sys.exit(f'trainer: {e}')  # a clear message and exit status 1, no traceback
     from tf_gpipe.trainer import trainer
 
-    if MODE.value == 'inspect_params':
+    if mode == 'inspect_params':
         print(p.ToText(), end='')
         return
-    if MODE.value == 'inspect_model':
+    if mode == 'inspect_model':
         try:
             table, _ = trainer.InspectModel(p.task, p.input)
         except ValueError as e:
@@ -234,7 +252,7 @@ def main(argv):
         return
     if not LOGDIR.value:
         raise app.UsageError('--logdir is required for train, eval and export.')
-    if MODE.value == 'export':
+    if mode == 'export':
         from tf_gpipe.trainer import export
 
         if not EXPORT_DIR.value:
@@ -262,10 +280,20 @@ def main(argv):
         if mesh_scope is not None:
             with mesh_scope:
                 t.Build()
-        if MODE.value == 'eval':
+        if mode == 'eval':
             t.Evaluate()
+        elif mode == 'evaler':
+            from tf_gpipe.trainer import evaler, logdir_lock
+
+            job = evaler.job_dir(LOGDIR.value)
+            os.makedirs(job, exist_ok=True)
+            try:
+                with logdir_lock.LogdirLock(job, what='evaler'):
+                    evaler.run(t, EVALER_POLL.value, EVALER_TIMEOUT.value)
+            except KeyboardInterrupt:
+                sys.exit('trainer: evaler interrupted; rerun it to go on where it stopped.')
         else:
-            last = t.Train(eval_too=MODE.value == 'train_and_eval')
+            last = t.Train(eval_too=mode == 'train_and_eval')
             logging.info('Done: %s', last)
     except (RuntimeError, FloatingPointError, ValueError, TimeoutError) as e:
         # Diverged, bad params, bad logdir, too few devices, unreadable or foreign checkpoint,

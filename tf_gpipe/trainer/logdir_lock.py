@@ -22,8 +22,9 @@ class LogdirBusyError(RuntimeError):
 class LogdirLock:
     """`with LogdirLock(logdir):` trains alone in logdir, or raises LogdirBusyError at once."""
 
-    def __init__(self, logdir):
+    def __init__(self, logdir, what='trainer'):
         self.logdir = logdir
+        self.what = what  # who takes it: 'trainer', 'evaler', ...
         self._file = None
 
     def __enter__(self):
@@ -38,9 +39,9 @@ class LogdirLock:
             holder = f.read().strip() or 'an unknown process'
             f.close()
             raise LogdirBusyError(
-                f'Logdir {self.logdir!r} is in use by another trainer ({holder}): two trainers '
-                'would interleave their checkpoints. Stop that one first, or pass another '
-                '--logdir.'
+                f'{self.logdir!r} is in use by another {self.what} ({holder}): two would '
+                'interleave their checkpoints and event files. Stop that one first, or pass '
+                'another --logdir.'
             ) from None
         f.seek(0)
         f.truncate()

@@ -378,12 +378,32 @@ class Trainer:
             raise RuntimeError(
                 f'No checkpoint in {self.logdir}/checkpoints to evaluate; train first.'
             )
+        if getattr(self, '_eval_writer', None) is None:  # one event file per run, not per eval
+            self._eval_writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'eval'))
+        return self._EvaluateRestored(self._eval_writer)
+
+    def CheckpointDir(self):
+        """Where this run's checkpoints are read from."""
+        return os.path.join(self.restore_from, 'checkpoints')
+
+    def EvaluateCheckpoint(self, path, writer):
+        """Restores the checkpoint at `path` (read only) and evaluates it into `writer`."""
+        self.Build()
+        try:
+            self.named_checkpoint.Restore(path)
+        except AssertionError as e:
+            raise RuntimeError(
+                f'Cannot restore {path}: it does not match this model '
+                f'({str(e).splitlines()[0][:300]}).'
+            ) from e
+        return self._EvaluateRestored(writer)
+
+    def _EvaluateRestored(self, writer):
         totals = {}
         n = self.params.task.eval.steps
         for i in range(n):
             for k, v in self._eval_step(tf.constant(i, tf.int64)).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / n
-        writer = tf.summary.create_file_writer(os.path.join(self.logdir, 'eval'))
         with writer.as_default(step=int(self.global_step.numpy())):
             for k, v in totals.items():
                 tf.summary.scalar(k, v)
