@@ -16,6 +16,7 @@ setup(
         'tensorflow-datasets',
         'absl-py',
         'grpcio',  # cluster_spec.is_tf_server asks a worker over TF's own transport
+        'sacrebleu>=2.4',  # the decoder's corpus BLEU
         'tensorboard',
         'numpy',
     ],

@@ -39,14 +39,18 @@ def test_synthetic_translation():
     src, tgt_in, labels = batch.src_ids.numpy(), batch.tgt_ids.numpy(), batch.labels.numpy()
     weights = batch.weights.numpy()
     for i in range(32):
-        n = int(weights[i].sum())
+        n = int((1.0 - batch.src_paddings.numpy()[i]).sum())
         assert (src[i, n:] == 0).all() and (src[i, :n] >= 3).all()
         lang = tgt_in[i, 0]
         want = src[i, :n] if lang == 1 else src[i, :n][::-1]
         np.testing.assert_array_equal(labels[i, :n], want)
         np.testing.assert_array_equal(tgt_in[i, 1:n], labels[i, : n - 1])
+        # Then the end token 0, weighted, where it fits.
+        assert weights[i].sum() == min(n + 1, 8) and (labels[i, n:] == 0).all()
+        if n < 8:
+            assert tgt_in[i, n] == labels[i, n - 1]
     assert set(tgt_in[:, 0]) == {1, 2}  # both target languages occur
-    np.testing.assert_array_equal(batch.src_paddings.numpy(), 1.0 - weights)
+    np.testing.assert_array_equal(batch.tgt_paddings.numpy(), 1.0 - weights)
 
 
 def test_synthetic_shapes():

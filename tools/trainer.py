@@ -30,6 +30,7 @@ MODES = (
     'eval',
     'train_and_eval',
     'evaler',
+    'decode',
     'export',
     'inspect_params',
     'inspect_model',
@@ -82,8 +83,9 @@ MULTI_WORKER = flags.DEFINE_bool(
 JOB = flags.DEFINE_enum(
     'job',
     None,
-    ('trainer', 'evaler_test'),
-    "Lingvo's job names: trainer is --mode=train, evaler_test is --mode=evaler.",
+    ('trainer', 'evaler_test', 'decoder_test'),
+    "Lingvo's job names: trainer is --mode=train, evaler_test --mode=evaler, decoder_test "
+    '--mode=decode.',
 )
 EVALER_TIMEOUT = flags.DEFINE_float(
     'evaler_timeout',
@@ -91,6 +93,15 @@ EVALER_TIMEOUT = flags.DEFINE_float(
     'evaler: seconds to wait for a new checkpoint before giving up (the trainer stopped?).',
 )
 EVALER_POLL = flags.DEFINE_float('evaler_poll_seconds', 5.0, 'evaler: seconds between polls.')
+BEAM_SIZE = flags.DEFINE_integer('beam_size', 4, 'decode (translation): beams; 1 is greedy.')
+LENGTH_ALPHA = flags.DEFINE_float(
+    'length_alpha', 0.6, "decode: GNMT's length penalty ((5 + length) / 6) ** alpha."
+)
+DECODE_MAX_LEN = flags.DEFINE_integer(
+    'decode_max_len', None, "decode: tokens per hypothesis (default: the test input's length)."
+)
+TEMPERATURE = flags.DEFINE_float('temperature', 1.0, 'decode (language model): sampling.')
+TOP_K = flags.DEFINE_integer('top_k', 0, 'decode (language model): sample among the k best.')
 CONNECT_TIMEOUT = flags.DEFINE_float(
     'connect_timeout', 120.0, 'Seconds to wait for every worker of the cluster to answer.'
 )
@@ -213,7 +224,8 @@ def _for_this_command(error):
 
 
 def _mode():
-    return {'trainer': 'train', 'evaler_test': 'evaler'}[JOB.value] if JOB.value else MODE.value
+    jobs = {'trainer': 'train', 'evaler_test': 'evaler', 'decoder_test': 'decode'}
+    return jobs[JOB.value] if JOB.value else MODE.value
 
 
 def main(argv):
@@ -282,6 +294,17 @@ def main(argv):
                 t.Build()
         if mode == 'eval':
             t.Evaluate()
+        elif mode == 'decode':
+            from tf_gpipe.trainer import decoder
+
+            decoder.run(
+                t,
+                BEAM_SIZE.value,
+                LENGTH_ALPHA.value,
+                DECODE_MAX_LEN.value,
+                TEMPERATURE.value,
+                TOP_K.value,
+            )
         elif mode == 'evaler':
             from tf_gpipe.trainer import evaler, logdir_lock
 

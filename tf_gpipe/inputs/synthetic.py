@@ -58,7 +58,8 @@ class SyntheticMt(base_input.BaseInputGenerator):
 
     Token 0 is padding, 1 and 2 are the target-language tokens (1: copy, 2: reverse the
     source), 3.. are words. Sources have random lengths in [min_len, seq_len] (paddings mark the
-    rest). Decoder input = [language token] + target[:-1]; labels = target.
+    rest). Decoder input = [language token] + target[:-1]; labels = target, then the end token
+    0 (weighted) where the length leaves room.
     """
 
     @classmethod
@@ -85,11 +86,14 @@ class SyntheticMt(base_input.BaseInputGenerator):
         tgt = tf.where(reverse[:, None] > 0, reversed_src, src)
         lang = 1 + reverse
         tgt_in = tf.concat([lang[:, None], tgt[:, :-1]], axis=1)
-        weights = tf.cast(mask, tf.float32)
+        # The target ends with the end token 0 (the padding id) where it fits: a decoder learns
+        # where to stop.
+        tgt_mask = tf.sequence_mask(lengths + 1, p.seq_len)
+        weights = tf.cast(tgt_mask, tf.float32)
         return NestedMap(
             src_ids=src,
-            src_paddings=1.0 - weights,
-            tgt_ids=tf.where(mask, tgt_in, 0),
+            src_paddings=1.0 - tf.cast(mask, tf.float32),
+            tgt_ids=tf.where(tgt_mask, tgt_in, 0),
             tgt_paddings=1.0 - weights,
             labels=tgt,
             weights=weights,
