@@ -94,3 +94,16 @@ def test_a_missing_warm_start_checkpoint_is_named_before_the_logdir_is_made(tmp_
     with pytest.raises(ValueError, match=rf'is not a checkpoint \(no {missing}.index\)'):
         trainer.Trainer(p, str(tmp_path / 'run')).Build()
     assert not (tmp_path / 'run').exists()
+
+
+def test_ids_beyond_the_embedding_are_named_before_any_work(tmp_path):
+    """A vocabulary larger than the embedding: on a CPU the lookup would fail inside its cell
+    and the pipeline's other cells report only 'RecvAsync is cancelled'."""
+    p = _task('input.vocab_size=80; test.vocab_size=70')
+    with pytest.raises(ValueError, match=r'Bad params \(2\)') as info:
+        trainer.Trainer(p, str(tmp_path / 'run')).Build()
+    assert 'input.vocab_size=80 is larger than task.vocab_size=64: ids 64..79' in str(info.value)
+    assert 'test.vocab_size=70' in str(info.value) and 'Set task.vocab_size >= 70' in str(
+        info.value
+    )
+    assert not (tmp_path / 'run').exists()

@@ -101,10 +101,28 @@ def _problems(task_p):
     return problems
 
 
-def CheckParams(task_p):
+def CheckParams(task_p, inputs=None):
     """Raises one ValueError that lists every bad value of the task's loop, learner and
-    pipeline settings (nothing is built)."""
+    pipeline settings, and of `inputs` ({root name: input params}) against the task (nothing
+    is built)."""
     problems = _problems(task_p)
+    for name, input_p in (inputs or {}).items():
+        problems += _input_problems(task_p, name, input_p)
     if problems:
         lines = '\n  '.join(problems)
         raise ValueError(f'Bad params ({len(problems)}):\n  {lines}\nFix them and run again.')
+
+
+def _input_problems(task_p, name, input_p):
+    """An input whose ids outrun the task's vocabulary: on a CPU the embedding lookup fails in
+    its cell, and the pipeline's other cells report only 'RecvAsync is cancelled'."""
+    if input_p is None or 'vocab_size' not in input_p or 'vocab_size' not in task_p:
+        return []
+    given, rows = input_p.vocab_size, task_p.vocab_size
+    if isinstance(given, int) and isinstance(rows, int) and 0 < rows < given:
+        return [
+            f'{name}.vocab_size={given} is larger than task.vocab_size={rows}: ids {rows}..'
+            f'{given - 1} have no embedding row. Set task.vocab_size >= {given} (or '
+            f'{name}.vocab_size <= {rows}).'
+        ]
+    return []

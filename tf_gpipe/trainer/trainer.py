@@ -78,7 +78,7 @@ class Trainer:
         the pipeline on that mesh); idempotent."""
         if self._built:
             return
-        checks.CheckParams(self.params.task)
+        checks.CheckParams(self.params.task, {'input': self.params.input, 'test': self.params.test})
         _check_logdir(self.logdir)
         p = self.params
         self.task = p.task.Instantiate()
