@@ -44,6 +44,13 @@ def TrainParams():
         'matches a regex is loaded from the name format % match.groups().',
     )
     p.Define(
+        'trace_interval_steps',
+        0,
+        'Every this many steps, time each pipeline action of the step and write each '
+        "device's busy time and the measured bubble to TensorBoard (pipeline/...); 0: never. "
+        'The first such step traces the training step a second time.',
+    )
+    p.Define(
         'nonfinite_policy',
         'stop',
         "A step whose loss or gradient is NaN/Inf changes nothing, then: 'stop' (an error "

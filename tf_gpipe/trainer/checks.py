@@ -51,6 +51,7 @@ def _problems(task_p):
         'max_checkpoints_to_keep',
     ):
         _at_least(problems, f'task.train.{name}', train.Get(name), 1)
+    _at_least(problems, 'task.train.trace_interval_steps', train.trace_interval_steps, 0)
     for name in ('interval_steps', 'steps'):
         _at_least(problems, f'task.eval.{name}', task_p.eval.Get(name), 1)
     rules = train.init_from_checkpoint_rules

@@ -12,10 +12,10 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf_gpipe import distribute, fprop_context, hyperparams
+from tf_gpipe import distribute, fprop_context, hyperparams, placement
 from tf_gpipe.gpipe import PipelinedLayer, partition, replication
 from tf_gpipe.nested_map import NestedMap
-from tf_gpipe.trainer import checkpoints, checks, logdir_lock
+from tf_gpipe.trainer import checkpoints, checks, logdir_lock, pipeline_summaries
 
 NONFINITE_POLICIES = ('stop', 'skip')
 
@@ -141,6 +141,9 @@ class Trainer:
         # The step is plain TF code (tf.cond where it branches): AutoGraph would only rewrite
         # every function it reaches, half the first step's time for the tiny models (measured).
         self._train_step = tf.function(train_step, autograph=False)
+        # The same step with its pipeline actions timestamped (pipeline_summaries), when asked.
+        traced_step, self._trace_meta = pipeline_summaries.traced(train_step)
+        self._traced_step = tf.function(traced_step, autograph=False)
         self._eval_step = tf.function(self._EvalStep, autograph=False)
         self._built = True
 
@@ -152,7 +155,13 @@ class Trainer:
         # A diverged step (NaN/Inf loss or gradient) is not applied; Train decides what next.
         stats = self.learner.Apply(grads, self.variables, self.regularized, loss=out.loss)
         self._EndStep(stats.finite)
-        return NestedMap(metrics=out.metrics, num_examples=out.num_examples, loss=out.loss, **stats)
+        return NestedMap(
+            metrics=out.metrics,
+            num_examples=out.num_examples,
+            loss=out.loss,
+            param_norm=placement.global_norm(self.variables),
+            **stats,
+        )
 
     def _Gradients(self, batch, step):
         """(task output, gradients lined up with self.variables) of the pipeline's step."""
@@ -210,6 +219,7 @@ class Trainer:
         tf.cond(out.finite, apply, lambda: tf.constant(False))
         self._EndStep(out.finite)
         out.num_examples = tf.cast(out.num_examples, tf.int64)
+        out.param_norm = placement.global_norm(self.variables)
         return out
 
     def _EvalStep(self, index):
@@ -295,22 +305,37 @@ class Trainer:
                 len(graph.library.function),
             )
         traced_at = None  # when the first step ended: the ETA leaves the tracing out
+        paused = 0.0  # seconds in checkpoints and evals since the last log: not steps' time
         with _StopSignals() as stop:
             while step < tp.max_steps and not stop.signal:
-                out = self._train_step()
+                profile = None
+                if self._TimesThisStep(step + 1):
+                    out, stamps = self._traced_step()
+                    profile = pipeline_summaries.step_profile(
+                        self._trace_meta,
+                        [s.numpy() for s in stamps],
+                        len(self.task.network.devices),
+                    )
+                else:
+                    out = self._train_step()
                 step = int(self.global_step.numpy())
+                if profile:
+                    with writer.as_default(step=step):
+                        for name, value in profile.items():
+                            tf.summary.scalar(f'pipeline/{name}', value)
                 if traced_at is None:
                     traced_at = time.time()
                     logging.info('First step done in %.1f s (tracing included).', traced_at - start)
                 if not bool(out.finite):
                     self._NonFinite(step, out)
                 if step % tp.log_interval_steps == 0 or step in (first, tp.max_steps):
-                    elapsed = max(time.time() - start, 1e-9)
+                    elapsed = max(time.time() - start - paused, 1e-9)
                     steps_per_sec = (step - start_step) / elapsed
                     examples_per_sec = steps_per_sec * int(out.num_examples)
                     last = {k: float(v) for k, v in out.metrics.items()}
                     last.update(
                         grad_norm=float(out.grad_norm),
+                        param_norm=float(out.param_norm),
                         learning_rate=float(out.learning_rate),
                         steps_per_sec=steps_per_sec,
                         examples_per_sec=examples_per_sec,
@@ -319,6 +344,9 @@ class Trainer:
                     with writer.as_default(step=step):
                         for name, value in last.items():
                             tf.summary.scalar(name, value)
+                        devices = self.task.network.devices
+                        for name, value in pipeline_summaries.peak_memory(devices).items():
+                            tf.summary.scalar(f'memory/{name}', value)
                     logging.info(
                         'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s  %s',
                         step,
@@ -330,7 +358,8 @@ class Trainer:
                         examples_per_sec,
                         _progress(step, first, tp.max_steps, time.time() - traced_at),
                     )
-                    start, start_step = time.time(), step
+                    start, start_step, paused = time.time(), step, 0.0
+                pause = time.time()
                 if step % tp.save_interval_steps == 0:
                     self.manager.save(checkpoint_number=step)
                 if (
@@ -339,6 +368,7 @@ class Trainer:
                     and not stop.signal
                 ):
                     self.Evaluate()
+                paused += time.time() - pause
             latest = self.manager.latest_checkpoint
             if latest is None or not latest.endswith(f'-{step}'):
                 self.manager.save(checkpoint_number=step)
@@ -351,6 +381,11 @@ class Trainer:
                 )
         writer.flush()
         return last
+
+    def _TimesThisStep(self, step):
+        """Whether step `step` runs timestamped (task.train.trace_interval_steps; one replica)."""
+        every = self.params.task.train.trace_interval_steps
+        return bool(every) and step % every == 0 and self.strategy is None
 
     def _NonFinite(self, step, out):
         """A step whose loss or gradient was NaN/Inf (and so changed nothing)."""
