@@ -107,3 +107,23 @@ def test_ids_beyond_the_embedding_are_named_before_any_work(tmp_path):
         info.value
     )
     assert not (tmp_path / 'run').exists()
+
+
+@pytest.mark.parametrize(
+    'override,message',
+    [
+        ('input.seq_len=0', 'input.seq_len=0 must be int >= 1'),
+        ('input.max_stride=0', 'input.max_stride=0 must be int >= 1'),
+        ('test.batch_size=-2', 'test.batch_size=-2 must be int >= 1'),
+    ],
+)
+def test_input_sizes_are_checked_with_the_rest(override, message):
+    p = _task(override)
+    with pytest.raises(ValueError, match=message):
+        checks.CheckParams(p.task, {'input': p.input, 'test': p.test})
+
+
+def test_inspect_model_checks_the_input_too():
+    p = _task('input.seq_len=0')
+    with pytest.raises(ValueError, match='input.seq_len=0 must be int >= 1'):
+        trainer.InspectModel(p.task, p.input)

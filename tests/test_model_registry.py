@@ -92,3 +92,22 @@ def test_an_error_inside_a_params_file_names_the_file_and_line(tmp_path):
         f"{path}, line {line}, in TypoLm.Task: Params has no parameter 'max_stepz' "
         "(did you mean 'max_steps'?); Define() it first."
     )
+
+
+def test_a_broken_params_file_blocks_only_its_own_models(tmp_path):
+    """A syntax error in one file of a params directory: the other files' models load; asking
+    for a missing key names the broken file, its line and the error."""
+    (tmp_path / 'mine').mkdir()
+    (tmp_path / 'mine' / 'good.py').write_text(_USER_FILE.replace('MyLm', 'GoodLm'))
+    broken = tmp_path / 'mine' / 'broken.py'
+    broken.write_text(_USER_FILE.replace('MyLm', 'BrokenLm') + '\ndef oops(:\n')
+    model_registry.LoadParamsDir(str(tmp_path))
+    assert model_registry.GetClass('mine.good.GoodLm').__name__ == 'GoodLm'
+    line = broken.read_text().splitlines().index('def oops(:') + 1
+    assert model_registry.BrokenFiles()[str(broken)].startswith(f'line {line}: SyntaxError')
+    with pytest.raises(LookupError, match=rf'{broken} failed to load: line {line}: SyntaxError'):
+        model_registry.GetClass('mine.broken.BrokenLm')
+    broken.write_text(_USER_FILE.replace('MyLm', 'BrokenLm'))  # fixed: loads the next time
+    model_registry.LoadParamsDir(str(tmp_path))
+    assert model_registry.GetClass('mine.broken.BrokenLm').__name__ == 'BrokenLm'
+    assert str(broken) not in model_registry.BrokenFiles()

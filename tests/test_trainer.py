@@ -132,6 +132,11 @@ def test_inspect_and_errors(tmp_path):
     )
     assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
     assert 'cluster.logical_cpus' not in few.stderr
+    negative = _trainer(f'--model={MODEL}', '--mode=inspect_model', '--num_logical_cpus=-1')
+    assert negative.returncode == 1 and '--num_logical_cpus must be >= 1, got -1' in (
+        negative.stderr
+    )
+    assert 'Traceback' not in negative.stderr
     # --tpu reaches the resolver; with no TPU here, a clear exit (TPUStrategy path: test_cluster).
     tpu = _trainer(f'--model={MODEL}', f'--logdir={tmp_path}', '--tpu=local')
     assert tpu.returncode == 1 and "No TPU answered for tpu='local'" in tpu.stderr, tpu.stderr

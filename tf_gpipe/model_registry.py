@@ -20,6 +20,11 @@ from tf_gpipe import base_model_params
 _REGISTRY = {}
 _SOURCES = {}  # key -> the file that defined it
 _LOADING = []  # (task, file, path) of the params file being imported, innermost last
+_BROKEN = {}  # path -> why the params file could not be imported
+
+
+class DuplicateModelError(ValueError):
+    """A model key registered by two classes."""
 
 
 def RegisterSingleTaskModel(cls):
@@ -37,7 +42,7 @@ def RegisterSingleTaskModel(cls):
         _SOURCES[key] != path or (_LOADING and _REGISTRY[key].__module__ == cls.__module__)
     ):
         where = f'in {_SOURCES[key]} and in {path}' if _SOURCES[key] != path else f'in {path}'
-        raise ValueError(
+        raise DuplicateModelError(
             f'Model key {key} is defined twice: {where}. Rename one of the classes (or '
             'files): a key names one model.'
         )
@@ -77,11 +82,16 @@ def LoadParamsDir(params_dir):
             _LOADING.append((task, file, path))
             try:
                 spec.loader.exec_module(module)
-            except Exception:
+                _BROKEN.pop(path, None)
+            except Exception as e:  # noqa: BLE001 - a broken file must not block the others
                 del sys.modules[module_name]
                 for key in [k for k, source in _SOURCES.items() if source == path]:
                     del _REGISTRY[key], _SOURCES[key]  # a fixed file can be loaded again
-                raise
+                if isinstance(e, DuplicateModelError):
+                    raise
+                # The other files' models stay usable; asking for a key that is not registered
+                # names this file and why it failed.
+                _BROKEN[path] = _why(e, path)
             finally:
                 _LOADING.pop()
 
@@ -97,7 +107,25 @@ def GetClass(key):
     close = difflib.get_close_matches(key, list(_REGISTRY), n=3, cutoff=0.5)
     hint = f' Did you mean {" or ".join(repr(c) for c in close)}?' if close else ''
     known = ', '.join(sorted(_REGISTRY)) or 'none (load a params directory: --params_dir)'
-    raise LookupError(f'Unknown model {key!r}.{hint} Registered models: {known}.')
+    broken = ''.join(f' {path} failed to load: {why}.' for path, why in sorted(_BROKEN.items()))
+    if broken:
+        broken = f' Params files that could not be imported (the model may be there):{broken}'
+    raise LookupError(f'Unknown model {key!r}.{hint} Registered models: {known}.{broken}')
+
+
+def BrokenFiles():
+    """{path: why} of the params files that failed to import (their models are missing)."""
+    return dict(_BROKEN)
+
+
+def _why(error, path):
+    """'line N: SyntaxError: ...' for an error raised while importing `path`."""
+    line = getattr(error, 'lineno', None) if isinstance(error, SyntaxError) else None
+    if line is None:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename == path]
+        line = frames[-1].lineno if frames else None
+    where = f'line {line}: ' if line else ''
+    return f'{where}{type(error).__name__}: {error}'.splitlines()[0]
 
 
 def GetParams(key, dataset='Train'):

@@ -338,9 +338,30 @@ def startup_table(result):
     return lines
 
 
+def demos_table(result):
+    lines = [
+        '| model | K | M | schedule | steps | loss: first step, last | eval accuracy | BLEU | '
+        'first step s | steps/s after it | examples/s | wall s |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for r in result['demos']:
+        bleu = f'{r["bleu"]:.1f}' if 'bleu' in r else ''
+        lines.append(
+            f'| {r["model"]} | {r["num_partitions"]} | {r["num_micro_batches"]} | '
+            f'{r["schedule"]} | {r["steps"]} | {r["first_loss"]:.2f}, {r["last_loss"]:.3f} | '
+            f'{r["eval_accuracy"]:.3f} | {bleu} | {r["first_step_s"]:.1f} | '
+            f'{r["steps_per_sec"]:.1f} | {r["examples_per_sec"]:.0f} | {r["wall_s"]:.0f} |'
+        )
+    lines += ['', f'{result["machine"]}, TF {result["tf_version"]}, {result["date"]}: '
+              f'`{result["command"]}` (one run).']  # fmt: skip
+    return lines
+
+
 def _table(paths):
     loaded = [json.load(open(p)) for p in paths]
     first = loaded[0]
+    if isinstance(first, dict) and 'demos' in first:
+        return demos_table(first)
     if isinstance(first, dict) and first.get('startup'):
         return startup_table(first)
     if isinstance(first, dict) and 'kill_log' in first:

@@ -115,6 +115,10 @@ def _model_params():
             model_registry.LoadParamsDir(candidate)
     if PARAMS_DIR.value:
         model_registry.LoadParamsDir(PARAMS_DIR.value)
+    for path, why in model_registry.BrokenFiles().items():
+        logging.warning(
+            'Params file %s could not be imported (%s); its models are missing.', path, why
+        )
     model = model_registry.GetClass(MODEL.value)()
     p = trainer.ModelParams(
         *(model_registry.CallParams(model, m) for m in ('Task', 'Train', 'Test'))
@@ -244,7 +248,9 @@ def main(argv):
         return
     if not MODEL.value:
         raise app.UsageError('--model is required (e.g. lm.synthetic.TransformerLmTiny).')
-    if CPUS.value:
+    if CPUS.value is not None:
+        if CPUS.value < 1:
+            raise app.UsageError(f'--num_logical_cpus must be >= 1, got {CPUS.value}.')
         cluster.logical_cpus(CPUS.value)
     try:
         p = _model_params()

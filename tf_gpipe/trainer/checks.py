@@ -114,16 +114,32 @@ def CheckParams(task_p, inputs=None):
         raise ValueError(f'Bad params ({len(problems)}):\n  {lines}\nFix them and run again.')
 
 
+# Input sizes that must be positive (a zero length or stride makes an empty or constant batch
+# that fails deep inside the first step).
+_POSITIVE_INPUT = ('batch_size', 'seq_len', 'vocab_size', 'max_stride', 'min_len', 'image_size')
+
+
 def _input_problems(task_p, name, input_p):
-    """An input whose ids outrun the task's vocabulary: on a CPU the embedding lookup fails in
-    its cell, and the pipeline's other cells report only 'RecvAsync is cancelled'."""
-    if input_p is None or 'vocab_size' not in input_p or 'vocab_size' not in task_p:
+    """Sizes of an input that cannot make a batch, and ids that outrun the task's vocabulary
+    (on a CPU the embedding lookup fails in its cell, and the pipeline's other cells report
+    only 'RecvAsync is cancelled')."""
+    if input_p is None:
         return []
+    problems = []
+    for size in _POSITIVE_INPUT:
+        if size in input_p:
+            _at_least(problems, f'{name}.{size}', input_p.Get(size), 1)
+    if 'min_len' in input_p and 'seq_len' in input_p:
+        low, high = input_p.min_len, input_p.seq_len
+        if isinstance(low, int) and isinstance(high, int) and 1 <= high < low:
+            problems.append(f'{name}.min_len={low} must be <= {name}.seq_len={high}')
+    if 'vocab_size' not in input_p or 'vocab_size' not in task_p:
+        return problems
     given, rows = input_p.vocab_size, task_p.vocab_size
     if isinstance(given, int) and isinstance(rows, int) and 0 < rows < given:
-        return [
+        problems.append(
             f'{name}.vocab_size={given} is larger than task.vocab_size={rows}: ids {rows}..'
             f'{given - 1} have no embedding row. Set task.vocab_size >= {given} (or '
             f'{name}.vocab_size <= {rows}).'
-        ]
-    return []
+        )
+    return problems

@@ -325,6 +325,7 @@ class Trainer:
                             tf.summary.scalar(f'pipeline/{name}', value)
                 if traced_at is None:
                     traced_at = time.time()
+                    self.first_step_seconds = traced_at - start
                     logging.info('First step done in %.1f s (tracing included).', traced_at - start)
                 if not bool(out.finite):
                     self._NonFinite(step, out)
@@ -456,7 +457,7 @@ def InspectModel(task_p, input_p=None):
 
     With the training input's params, activations are estimated for its real batch shape.
     """
-    checks.CheckParams(task_p)
+    checks.CheckParams(task_p, {'input': input_p} if input_p is not None else None)
     network_p = task_p.cls.NetworkParams(task_p).Copy()
     if input_p is not None and task_p.cls.InputShape(task_p, input_p) is not None:
         network_p.input_shape = task_p.cls.InputShape(task_p, input_p)

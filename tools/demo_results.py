@@ -1,0 +1,92 @@
+"""The demos' figures, measured: the README's quick-start numbers come from this tool's file.
+
+    python tools/demo_results.py      # writes docs/results/demos.json (about 2 minutes)
+
+Trains each demo model as `make demo` does (its params class's K, M and schedule on 4 logical
+CPUs, train_and_eval) and records the loss at the first and last step, the final eval accuracy,
+the first step's seconds (tracing included), steps/s and examples/s after it, and for the
+translation model the BLEU of beam search on its test batches. One run each: the figures of one
+machine at one time, as the file's metadata says.
+"""
+
+import glob
+import os
+import sys
+import tempfile
+import time
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+OUT = flags.DEFINE_string('out', 'docs/results/demos.json', 'Result file.')
+DEMOS = (('lm.synthetic.TransformerLmTiny', 300), ('mt.synthetic.TransformerNmtTiny', 400))
+
+
+def _losses(event_dir):
+    import tensorflow as tf
+
+    out = []
+    for path in glob.glob(os.path.join(event_dir, 'events.*')):
+        for event in tf.compat.v1.train.summary_iterator(path):
+            out += [
+                (event.step, float(tf.make_ndarray(v.tensor)))
+                for v in event.summary.value
+                if v.tag == 'loss'
+            ]
+    return sorted(out)
+
+
+def run_demo(key, steps, logdir):
+    from tf_gpipe import hyperparams, model_registry
+    from tf_gpipe.trainer import decoder, trainer
+
+    model = model_registry.GetClass(key)()
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    hyperparams.apply_overrides(p, f'task.train.max_steps={steps}')
+    t = trainer.Trainer(p, logdir)
+    start = time.time()
+    last = t.Train(eval_too=True)
+    wall = time.time() - start
+    losses = _losses(os.path.join(logdir, 'train'))
+    evals = t.Evaluate()
+    row = dict(
+        model=key,
+        num_partitions=p.task.pipeline.num_partitions,
+        num_micro_batches=p.task.pipeline.num_micro_batches,
+        schedule=p.task.pipeline.schedule,
+        steps=steps,
+        first_loss=losses[0][1],
+        last_loss=losses[-1][1],
+        eval_accuracy=evals['accuracy'],
+        first_step_s=t.first_step_seconds,
+        steps_per_sec=(steps - 1) / max(wall - t.first_step_seconds, 1e-9),
+        examples_per_sec=last['examples_per_sec'],
+        wall_s=wall,
+    )
+    if key.startswith('mt.'):
+        row['bleu'] = decoder.run(t, beam_size=4)['bleu']
+    return row
+
+
+def main(argv):
+    del argv
+    from tf_gpipe import cluster
+
+    cluster.logical_cpus(4)
+    from bench_common import run_metadata, write_json
+
+    from tf_gpipe import model_registry
+
+    model_registry.LoadParamsDir(os.path.join(os.path.dirname(__file__), '..', 'params'))
+    rows = []
+    for key, steps in DEMOS:
+        with tempfile.TemporaryDirectory() as logdir:
+            rows.append(run_demo(key, steps, os.path.join(logdir, 'run')))
+            print(rows[-1], flush=True)
+    write_json(OUT.value, dict(demos=rows, **run_metadata()))
+
+
+if __name__ == '__main__':
+    app.run(main)
