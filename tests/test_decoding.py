@@ -85,16 +85,19 @@ def test_decoder_job_writes_hypotheses_and_their_bleu(mt_logdir):
     )  # fmt: skip
     assert values['bleu'] == pytest.approx(again.score) and values['bleu'] > 10
     assert values['tokens_per_sec'] > 0
-    # The same through the trainer tool, under Lingvo's job name.
+    # Through the trainer tool, as Lingvo's continuous decoder_test job: it decodes every
+    # checkpoint up to the trainer's final one (here already written), then exits.
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, 'tools', 'trainer.py'), f'--model={MT}',
          f'--logdir={mt_logdir}', '--job=decoder_test', '--beam_size=1', '--num_logical_cpus=2',
+         '--max_steps=150', '--evaler_timeout=120',
          '--params_override=task.pipeline.num_partitions=2; task.eval.steps=1; test.batch_size=8'],
         capture_output=True, text=True, timeout=400, env=env, cwd=ROOT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert 'decoder at step 150: bleu ' in done.stderr and 'tokens_per_sec' in done.stderr
+    assert 'decoder_test: evaluated up to the final step 150' in done.stderr
 
 
 def test_language_model_sampling(tmp_path):

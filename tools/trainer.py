@@ -31,6 +31,7 @@ MODES = (
     'train_and_eval',
     'evaler',
     'decode',
+    'decoder',
     'export',
     'inspect_params',
     'inspect_model',
@@ -85,7 +86,7 @@ JOB = flags.DEFINE_enum(
     None,
     ('trainer', 'evaler_test', 'decoder_test'),
     "Lingvo's job names: trainer is --mode=train, evaler_test --mode=evaler, decoder_test "
-    '--mode=decode.',
+    '--mode=decoder (the continuous ones poll the logdir until the final checkpoint).',
 )
 EVALER_TIMEOUT = flags.DEFINE_float(
     'evaler_timeout',
@@ -228,7 +229,7 @@ def _for_this_command(error):
 
 
 def _mode():
-    jobs = {'trainer': 'train', 'evaler_test': 'evaler', 'decoder_test': 'decode'}
+    jobs = {'trainer': 'train', 'evaler_test': 'evaler', 'decoder_test': 'decoder'}
     return jobs[JOB.value] if JOB.value else MODE.value
 
 
@@ -311,16 +312,25 @@ def main(argv):
                 TEMPERATURE.value,
                 TOP_K.value,
             )
-        elif mode == 'evaler':
-            from tf_gpipe.trainer import evaler, logdir_lock
+        elif mode in ('evaler', 'decoder'):
+            from tf_gpipe.trainer import decoder, evaler, logdir_lock
 
-            job = evaler.job_dir(LOGDIR.value)
-            os.makedirs(job, exist_ok=True)
+            job, evaluate = 'eval_test', None
+            if mode == 'decoder':
+
+                def evaluate(path, writer):
+                    return decoder.decode_checkpoint(
+                        t, path, writer, BEAM_SIZE.value, LENGTH_ALPHA.value,
+                        DECODE_MAX_LEN.value, TEMPERATURE.value, TOP_K.value,
+                    )  # fmt: skip
+
+                job = decoder.JOB
+            os.makedirs(evaler.job_dir(LOGDIR.value, job), exist_ok=True)
             try:
-                with logdir_lock.LogdirLock(job, what='evaler'):
-                    evaler.run(t, EVALER_POLL.value, EVALER_TIMEOUT.value)
+                with logdir_lock.LogdirLock(evaler.job_dir(LOGDIR.value, job), what=mode):
+                    evaler.run(t, EVALER_POLL.value, EVALER_TIMEOUT.value, job, evaluate)
             except KeyboardInterrupt:
-                sys.exit('trainer: evaler interrupted; rerun it to go on where it stopped.')
+                sys.exit(f'trainer: {mode} interrupted; rerun it to go on where it stopped.')
         else:
             last = t.Train(eval_too=mode == 'train_and_eval')
             logging.info('Done: %s', last)

@@ -27,10 +27,23 @@ def run(trainer, beam_size=4, alpha=0.6, max_len=None, temperature=1.0, top_k=0,
     path = trainer.Restore()
     if path is None:
         raise RuntimeError(f'No checkpoint in {trainer.CheckpointDir()} to decode; train first.')
-    task, step = trainer.task, int(trainer.global_step.numpy())
     out_dir = os.path.join(trainer.logdir, JOB)
     os.makedirs(out_dir, exist_ok=True)
     writer = tf.summary.create_file_writer(out_dir)
+    return decode_checkpoint(
+        trainer, path, writer, beam_size, alpha, max_len, temperature, top_k, seed
+    )
+
+
+def decode_checkpoint(
+    trainer, path, writer, beam_size=4, alpha=0.6, max_len=None, temperature=1.0, top_k=0, seed=0
+):
+    """Restores `path` and decodes the test set into `writer` and the job's directory."""
+    trainer.Build()
+    trainer.named_checkpoint.Restore(path)
+    task, step = trainer.task, int(trainer.global_step.numpy())
+    out_dir = os.path.join(trainer.logdir, JOB)
+    os.makedirs(out_dir, exist_ok=True)
     batches = [trainer.test_input.GetBatch(i) for i in range(trainer.params.task.eval.steps)]
     if isinstance(task, TranslationModel):
         values, lines = _translate(task, batches, beam_size, alpha, max_len)
