@@ -3,13 +3,12 @@ served in a process that cannot import tf_gpipe, with the pipelined model's pred
 
 import logging
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.standalone import run_without_tf_gpipe
 from tf_gpipe import fprop_context, hyperparams, model_registry
 from tf_gpipe.trainer import export, trainer
 
@@ -18,7 +17,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Serves in a fresh interpreter where `import tf_gpipe` fails: the SavedModel must stand alone.
 SERVE = """
 import sys
-sys.modules['tf_gpipe'] = None
 import numpy as np
 import tensorflow as tf
 serve = tf.saved_model.load(sys.argv[1]).signatures['serving_default']
@@ -45,17 +43,7 @@ def _trained(tmp_path, key, overrides):
 
 def _served(tmp_path, export_dir, inputs):
     np.savez(tmp_path / 'in.npz', **inputs)
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-    env.pop('PYTHONPATH', None)
-    done = subprocess.run(
-        [sys.executable, '-c', SERVE, export_dir, str(tmp_path / 'in.npz'), str(tmp_path / 'out')],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=str(tmp_path),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_without_tf_gpipe(SERVE, export_dir, tmp_path / 'in.npz', tmp_path / 'out', cwd=tmp_path)
     return dict(np.load(tmp_path / 'out.npz'))
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.standalone import run_without_tf_gpipe
 from tf_gpipe.keras import GPipe
 
 X = np.random.RandomState(0).randn(32, 8).astype('float32')
@@ -310,7 +311,6 @@ def test_a_training_call_under_1f1b_names_compute_gradients():
 
 SERVE = """
 import sys
-sys.modules['tf_gpipe'] = None  # the artifact must stand alone
 import numpy as np
 import tensorflow as tf
 served = tf.saved_model.load(sys.argv[1])
@@ -332,10 +332,6 @@ def _tagger(seed=0):
 
 @pytest.mark.parametrize('functional', [False, True], ids=['sequential', 'functional'])
 def test_to_keras_and_export_serve_the_trained_model_without_tf_gpipe(tmp_path, functional):
-    import os
-    import subprocess
-    import sys
-
     model = _tagger() if functional else _bn_model()
     pipe = GPipe(model, num_partitions=2, num_micro_batches=2)
     pipe.compile(keras.optimizers.Adam(0.01), 'sparse_categorical_crossentropy')
@@ -348,23 +344,8 @@ def test_to_keras_and_export_serve_the_trained_model_without_tf_gpipe(tmp_path, 
     _assert_close(plain.predict(X, verbose=0), want)
     pipe.export(str(tmp_path / 'served'))
     np.save(tmp_path / 'x.npy', X[:5])
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
-    done = subprocess.run(
-        [
-            sys.executable,
-            '-c',
-            SERVE,
-            str(tmp_path / 'served'),
-            str(tmp_path / 'x.npy'),
-            str(tmp_path / 'y.npy'),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=str(tmp_path),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    served, x, y = tmp_path / 'served', tmp_path / 'x.npy', tmp_path / 'y.npy'
+    run_without_tf_gpipe(SERVE, served, x, y, cwd=tmp_path)
     _assert_close(np.load(tmp_path / 'y.npy'), want[:5])
 
 

@@ -39,8 +39,7 @@ def decode_checkpoint(
     trainer, path, writer, beam_size=4, alpha=0.6, max_len=None, temperature=1.0, top_k=0, seed=0
 ):
     """Restores `path` and decodes the test set into `writer` and the job's directory."""
-    trainer.Build()
-    trainer.named_checkpoint.Restore(path)
+    trainer.RestoreCheckpoint(path)
     task, step = trainer.task, int(trainer.global_step.numpy())
     out_dir = os.path.join(trainer.logdir, JOB)
     os.makedirs(out_dir, exist_ok=True)

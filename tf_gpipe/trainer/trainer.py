@@ -238,12 +238,7 @@ class Trainer:
         paths = list(reversed(self._restore_manager.checkpoints))
         for i, path in enumerate(paths):
             try:
-                self.named_checkpoint.Restore(path)
-            except AssertionError as e:
-                raise RuntimeError(
-                    f'Cannot restore {path}: it does not match this model '
-                    f'({str(e).splitlines()[0][:300]}).'
-                ) from e
+                self.RestoreCheckpoint(path)
             except (tf.errors.OpError, OSError, IndexError, EOFError) as e:
                 older = paths[i + 1] if i + 1 < len(paths) else None
                 logging.warning(
@@ -422,8 +417,8 @@ class Trainer:
         """Where this run's checkpoints are read from."""
         return os.path.join(self.restore_from, 'checkpoints')
 
-    def EvaluateCheckpoint(self, path, writer):
-        """Restores the checkpoint at `path` (read only) and evaluates it into `writer`."""
+    def RestoreCheckpoint(self, path):
+        """Restores the checkpoint at `path`; one of another model is a one-line error."""
         self.Build()
         try:
             self.named_checkpoint.Restore(path)
@@ -432,6 +427,10 @@ class Trainer:
                 f'Cannot restore {path}: it does not match this model '
                 f'({str(e).splitlines()[0][:300]}).'
             ) from e
+
+    def EvaluateCheckpoint(self, path, writer):
+        """Restores the checkpoint at `path` (read only) and evaluates it into `writer`."""
+        self.RestoreCheckpoint(path)
         return self._EvaluateRestored(writer)
 
     def _EvaluateRestored(self, writer):
