@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean engine-results plan-results readme-results startup-results
+.PHONY: demo test lint format clean engine-results plan-results readme-results startup-results demo-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,6 +75,11 @@ startup-results: $(STAMP)
 	$(PY) tools/startup.py --tick_loop --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt
+	$(MAKE) readme-results
+
+# The quick start's demo figures: both demos trained (and the translation decoded), measured.
+demo-results: $(STAMP)
+	$(PY) tools/demo_results.py --out=$(RESULTS)/demos.json
 	$(MAKE) readme-results
 
 # The README's results tables, rewritten from the JSON files under docs/results (no figure typed).

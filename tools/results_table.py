@@ -341,7 +341,7 @@ def startup_table(result):
 def demos_table(result):
     lines = [
         '| model | K | M | schedule | steps | loss: first step, last | eval accuracy | BLEU | '
-        'first step s | steps/s after it | examples/s | wall s |',
+        'first step s | steps/s after it (evals, checkpoints in) | examples/s | wall s |',
         '|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in result['demos']:
