@@ -253,3 +253,18 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
         assert s['unrolled_startup_s'] == pytest.approx(unrolled['startup_s'])
         assert s['unrolled_steady_ms'] == pytest.approx(1e3 * unrolled['steady_s'])
     assert '| 2 | 2 | zero_bubble |' in printed and 'unrolled at M=max' in printed
+
+
+def test_demo_results_measures_both_demos(tmp_path):
+    """The tool behind the quick start's table, on a few steps: its file renders as the table."""
+    out = tmp_path / 'demos.json'
+    _run(['tools/demo_results.py', f'--out={out}', '--steps_scale=0.01'], timeout=600)
+    result = json.loads(out.read_text())
+    assert [r['model'] for r in result['demos']] == [
+        'lm.synthetic.TransformerLmTiny',
+        'mt.synthetic.TransformerNmtTiny',
+    ]
+    assert all(r['steps'] in (3, 4) and r['first_step_s'] > 0 for r in result['demos'])
+    assert 'bleu' in result['demos'][1] and 'bleu' not in result['demos'][0]
+    table = _run(['tools/results_table.py', str(out)])
+    assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | gpipe | 4 |' in table

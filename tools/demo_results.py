@@ -21,6 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 OUT = flags.DEFINE_string('out', 'docs/results/demos.json', 'Result file.')
+STEPS_SCALE = flags.DEFINE_float(
+    'steps_scale', 1.0, "Train steps = each demo's steps times this (a quick check: 0.02)."
+)
 DEMOS = (('lm.synthetic.TransformerLmTiny', 300), ('mt.synthetic.TransformerNmtTiny', 400))
 
 
@@ -83,6 +86,7 @@ def main(argv):
     rows = []
     for key, steps in DEMOS:
         with tempfile.TemporaryDirectory() as logdir:
+            steps = max(2, round(steps * STEPS_SCALE.value))
             rows.append(run_demo(key, steps, os.path.join(logdir, 'run')))
             print(rows[-1], flush=True)
     write_json(OUT.value, dict(demos=rows, **run_metadata()))
