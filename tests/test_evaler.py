@@ -23,7 +23,7 @@ FAST = (
 def _params(max_steps):
     model_registry.LoadParamsDir(os.path.join(ROOT, 'params'))
     model = model_registry.GetClass(MODEL)()
-    p = trainer.ModelParams(model.Task(), model.Train(), model.Test())
+    p = trainer.ModelParams(model.Task(), model.Train(), model.Test(), model.Dev())
     hyperparams.apply_overrides(p, f'{FAST}; task.train.max_steps={max_steps}')
     return p
 
@@ -49,6 +49,15 @@ def test_each_checkpoint_once_in_order_resumable_and_bounded(tmp_path):
     assert _steps(evaler.job_dir(logdir)) == [2, 4]  # one point per checkpoint
     assert len(glob.glob(os.path.join(evaler.job_dir(logdir), 'events.*'))) == 2  # one per run
     assert evaler.run(trainer.Trainer(_params(4), logdir), 0.01, 0.05) == {}  # nothing left
+    # evaler_dev: the same checkpoints on the params class's Dev() input, its own run and state.
+    t = trainer.Trainer(_params(4), logdir)
+    dev = evaler.run(t, 0.01, 60, 'eval_dev', lambda p, w: t.EvaluateCheckpoint(p, w, 'dev'))
+    assert sorted(dev) == [2, 4] and _steps(evaler.job_dir(logdir, 'eval_dev')) == [2, 4]
+    assert dev[4] != results[4]  # another data set
+    without = _params(4)
+    without.dev = None
+    with pytest.raises(ValueError, match='has no dev input'):
+        trainer.Trainer(without, logdir).EvaluateCheckpoint(None, None, 'dev')
 
 
 def test_evaler_job_beside_a_running_trainer(tmp_path):

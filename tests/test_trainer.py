@@ -132,6 +132,14 @@ def test_inspect_and_errors(tmp_path):
     )
     assert few.returncode == 1 and '--num_logical_cpus=4' in few.stderr, few.stderr[-2000:]
     assert 'cluster.logical_cpus' not in few.stderr
+    no_dev = _trainer(
+        '--model=image.synthetic.AmoebaNetTiny',
+        f'--logdir={tmp_path}/img',
+        '--job=evaler_dev',
+        '--num_logical_cpus=4',
+    )
+    assert no_dev.returncode == 1 and 'has no dev input' in no_dev.stderr, no_dev.stderr[-2000:]
+    assert 'Traceback' not in no_dev.stderr
     negative = _trainer(f'--model={MODEL}', '--mode=inspect_model', '--num_logical_cpus=-1')
     assert negative.returncode == 1 and '--num_logical_cpus must be >= 1, got -1' in (
         negative.stderr

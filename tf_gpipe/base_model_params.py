@@ -5,7 +5,8 @@ class SingleTaskModelParams:
     """Subclass, register with @model_registry.RegisterSingleTaskModel, and define:
 
     Train(): input generator params for training; Test(): for evaluation (defaults to Train());
-    Task(): the task params (network, loss, metrics, learner, pipeline settings).
+    Dev(): for a development set's evaler (None: no dev set); Task(): the task params
+    (network, loss, metrics, learner, pipeline settings).
     """
 
     def Train(self):
@@ -13,6 +14,9 @@ class SingleTaskModelParams:
 
     def Test(self):
         return self.Train()
+
+    def Dev(self):
+        return None
 
     def Task(self):
         raise NotImplementedError(f'{type(self).__name__} must define Task().')

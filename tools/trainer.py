@@ -84,9 +84,10 @@ MULTI_WORKER = flags.DEFINE_bool(
 JOB = flags.DEFINE_enum(
     'job',
     None,
-    ('trainer', 'evaler_test', 'decoder_test'),
-    "Lingvo's job names: trainer is --mode=train, evaler_test --mode=evaler, decoder_test "
-    '--mode=decoder (the continuous ones poll the logdir until the final checkpoint).',
+    ('trainer', 'evaler_test', 'evaler_dev', 'decoder_test'),
+    "Lingvo's job names: trainer is --mode=train, evaler_test --mode=evaler, evaler_dev "
+    "--mode=evaler on the params class's Dev() input, decoder_test --mode=decoder (the "
+    'continuous ones poll the logdir until the final checkpoint).',
 )
 EVALER_TIMEOUT = flags.DEFINE_float(
     'evaler_timeout',
@@ -122,7 +123,7 @@ def _model_params():
         )
     model = model_registry.GetClass(MODEL.value)()
     p = trainer.ModelParams(
-        *(model_registry.CallParams(model, m) for m in ('Task', 'Train', 'Test'))
+        *(model_registry.CallParams(model, m) for m in ('Task', 'Train', 'Test', 'Dev'))
     )
     hyperparams.apply_overrides(p, OVERRIDE.value)
     if MAX_STEPS.value is not None:
@@ -229,7 +230,12 @@ def _for_this_command(error):
 
 
 def _mode():
-    jobs = {'trainer': 'train', 'evaler_test': 'evaler', 'decoder_test': 'decoder'}
+    jobs = {
+        'trainer': 'train',
+        'evaler_test': 'evaler',
+        'evaler_dev': 'evaler',
+        'decoder_test': 'decoder',
+    }
     return jobs[JOB.value] if JOB.value else MODE.value
 
 
@@ -316,6 +322,18 @@ def main(argv):
             from tf_gpipe.trainer import decoder, evaler, logdir_lock
 
             job, evaluate = 'eval_test', None
+            if JOB.value == 'evaler_dev':
+                job = 'eval_dev'
+
+                def evaluate(path, writer):
+                    return t.EvaluateCheckpoint(path, writer, 'dev')
+
+                t.Build()
+                if t.dev_input is None:  # said before any waiting
+                    sys.exit(
+                        f'trainer: {MODEL.value} has no dev input (its params class defines no '
+                        'Dev()); run --job=evaler_test.'
+                    )
             if mode == 'decoder':
 
                 def evaluate(path, writer):

@@ -13,6 +13,9 @@ class TransformerLmTiny(base_model_params.SingleTaskModelParams):
     def Test(self):
         return self.Train().Set(seed=4321)
 
+    def Dev(self):
+        return self.Train().Set(seed=5678)
+
     def Task(self):
         p = tasks.LanguageModel.Params().Set(
             name='lm', vocab_size=64, model_dim=64, num_layers=4, max_seq_len=32, random_seed=1

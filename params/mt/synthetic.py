@@ -13,6 +13,9 @@ class TransformerNmtTiny(base_model_params.SingleTaskModelParams):
     def Test(self):
         return self.Train().Set(seed=4321)
 
+    def Dev(self):
+        return self.Train().Set(seed=5678)
+
     def Task(self):
         p = tasks.TranslationModel.Params().Set(
             name='mt',

@@ -43,7 +43,7 @@ class _StopSignals:
         return False
 
 
-def ModelParams(task_p, train_input_p, test_input_p):
+def ModelParams(task_p, train_input_p, test_input_p, dev_input_p=None):
     """One Params tree as in Lingvo: task (with task.train, the loop and learner, and
     task.eval) / input (the training input) / test (the evaluation input); overrides address
     it. The earlier root name `train` (the input) is accepted with a deprecation warning, and
@@ -52,6 +52,7 @@ def ModelParams(task_p, train_input_p, test_input_p):
     root.Define('task', task_p, 'The task: network, loss, pipeline, train (loop, learner), eval.')
     root.Define('input', train_input_p, 'Training input.')
     root.Define('test', test_input_p, 'Evaluation input.')
+    root.Define('dev', dev_input_p, 'Development-set input (evaler_dev); None: none.')
     root.DefineAlias('train', 'input')
     if 'train' in task_p:
         for name, _ in task_p.train.IterParams():
@@ -78,12 +79,16 @@ class Trainer:
         the pipeline on that mesh); idempotent."""
         if self._built:
             return
-        checks.CheckParams(self.params.task, {'input': self.params.input, 'test': self.params.test})
+        checks.CheckParams(
+            self.params.task,
+            {'input': self.params.input, 'test': self.params.test, 'dev': self.params.dev},
+        )
         _check_logdir(self.logdir)
         p = self.params
         self.task = p.task.Instantiate()
         self.train_input = p.input.Instantiate()
         self.test_input = p.test.Instantiate()
+        self.dev_input = p.dev.Instantiate() if p.Get('dev') is not None else None
         self.learner = p.task.train.learner.Instantiate()
         self.variables = list(self.task.trainable_variables)
         self.learner.Build(self.variables)
@@ -144,7 +149,7 @@ class Trainer:
         # The same step with its pipeline actions timestamped (pipeline_summaries), when asked.
         traced_step, self._trace_meta = pipeline_summaries.traced(train_step)
         self._traced_step = tf.function(traced_step, autograph=False)
-        self._eval_step = tf.function(self._EvalStep, autograph=False)
+        self._eval_steps = {}  # dataset -> its eval step (a tf.function each)
         self._built = True
 
     def _TrainStep(self):
@@ -222,10 +227,23 @@ class Trainer:
         out.param_norm = placement.global_norm(self.variables)
         return out
 
-    def _EvalStep(self, index):
-        batch = self.test_input.GetBatch(index)
-        with fprop_context.eval_mode():
-            return self.task.FPropTower(batch).metrics
+    def _EvalStep(self, dataset='test'):
+        """The eval step (a tf.function of the batch index) on `dataset`: 'test' or 'dev'."""
+        if dataset not in self._eval_steps:
+            source = self.test_input if dataset == 'test' else self.dev_input
+            if source is None:
+                raise ValueError(
+                    f'{self.params.task.name}: the model has no {dataset} input (its params '
+                    f'class defines no {dataset.capitalize()}()); evaluate on test instead.'
+                )
+
+            def step(index):
+                batch = source.GetBatch(index)
+                with fprop_context.eval_mode():
+                    return self.task.FPropTower(batch).metrics
+
+            self._eval_steps[dataset] = tf.function(step, autograph=False)
+        return self._eval_steps[dataset]
 
     def Restore(self):
         """Restores the newest readable checkpoint in logdir, if any; returns its path or None.
@@ -428,23 +446,28 @@ class Trainer:
                 f'({str(e).splitlines()[0][:300]}).'
             ) from e
 
-    def EvaluateCheckpoint(self, path, writer):
-        """Restores the checkpoint at `path` (read only) and evaluates it into `writer`."""
+    def EvaluateCheckpoint(self, path, writer, dataset='test'):
+        """Restores the checkpoint at `path` (read only) and evaluates it on `dataset` ('test'
+        or 'dev') into `writer`."""
+        self.Build()
+        self._EvalStep(dataset)  # no such input: said before restoring
         self.RestoreCheckpoint(path)
-        return self._EvaluateRestored(writer)
+        return self._EvaluateRestored(writer, dataset)
 
-    def _EvaluateRestored(self, writer):
+    def _EvaluateRestored(self, writer, dataset='test'):
         totals = {}
         n = self.params.task.eval.steps
+        step_fn = self._EvalStep(dataset)
         for i in range(n):
-            for k, v in self._eval_step(tf.constant(i, tf.int64)).items():
+            for k, v in step_fn(tf.constant(i, tf.int64)).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / n
         with writer.as_default(step=int(self.global_step.numpy())):
             for k, v in totals.items():
                 tf.summary.scalar(k, v)
         writer.flush()
         logging.info(
-            'eval at step %d: %s',
+            'eval (%s) at step %d: %s',
+            dataset,
             int(self.global_step.numpy()),
             '  '.join(f'{k} {v:.4f}' for k, v in sorted(totals.items())),
         )
