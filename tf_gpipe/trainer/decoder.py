@@ -17,6 +17,7 @@ from absl import logging
 from tf_gpipe.tasks import decoding
 from tf_gpipe.tasks.lm import LanguageModel
 from tf_gpipe.tasks.mt import TranslationModel
+from tf_gpipe.trainer import pipeline_summaries
 
 JOB = 'decoder_test'
 
@@ -59,10 +60,7 @@ def decode_checkpoint(
         )
     with open(os.path.join(out_dir, name), 'w', encoding='utf-8') as f:
         f.write('\n'.join(lines) + '\n')
-    with writer.as_default(step=step):
-        for k, v in values.items():
-            tf.summary.scalar(k, v)
-    writer.flush()
+    pipeline_summaries.write_scalars(writer, step, values)
     logging.info(
         'decoder at step %d: %s; %s',
         step,

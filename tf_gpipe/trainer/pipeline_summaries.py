@@ -8,6 +8,14 @@ import tensorflow as tf
 from tf_gpipe.gpipe import trace
 
 
+def write_scalars(writer, step, values, prefix=''):
+    """One scalar summary per (name, value) at `step`, then flushed."""
+    with writer.as_default(step=step):
+        for name, value in values.items():
+            tf.summary.scalar(prefix + name, value)
+    writer.flush()
+
+
 def traced(step_fn):
     """`step_fn` run with every pipeline action timestamped: (its output, [[start, end]] per
     action, [(phase, stage, micro-batch)] per action — the latter known once traced)."""

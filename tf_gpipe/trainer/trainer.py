@@ -333,9 +333,7 @@ class Trainer:
                     out = self._train_step()
                 step = int(self.global_step.numpy())
                 if profile:
-                    with writer.as_default(step=step):
-                        for name, value in profile.items():
-                            tf.summary.scalar(f'pipeline/{name}', value)
+                    pipeline_summaries.write_scalars(writer, step, profile, 'pipeline/')
                 if traced_at is None:
                     traced_at = time.time()
                     self.first_step_seconds = traced_at - start
@@ -355,12 +353,9 @@ class Trainer:
                         examples_per_sec=examples_per_sec,
                         nonfinite_steps=float(self.nonfinite_steps.numpy()),
                     )
-                    with writer.as_default(step=step):
-                        for name, value in last.items():
-                            tf.summary.scalar(name, value)
-                        devices = self.task.network.devices
-                        for name, value in pipeline_summaries.peak_memory(devices).items():
-                            tf.summary.scalar(f'memory/{name}', value)
+                    pipeline_summaries.write_scalars(writer, step, last)
+                    memory = pipeline_summaries.peak_memory(self.task.network.devices)
+                    pipeline_summaries.write_scalars(writer, step, memory, 'memory/')
                     logging.info(
                         'step %6d  loss %.4f  %s  %.2f steps/s  %.0f examples/s  %s',
                         step,
@@ -461,10 +456,7 @@ class Trainer:
         for i in range(n):
             for k, v in step_fn(tf.constant(i, tf.int64)).items():
                 totals[k] = totals.get(k, 0.0) + float(v) / n
-        with writer.as_default(step=int(self.global_step.numpy())):
-            for k, v in totals.items():
-                tf.summary.scalar(k, v)
-        writer.flush()
+        pipeline_summaries.write_scalars(writer, int(self.global_step.numpy()), totals)
         logging.info(
             'eval (%s) at step %d: %s',
             dataset,
