@@ -386,3 +386,36 @@ def test_two_worker_processes_under_multi_worker_mirrored_strategy(tmp_path):
             # atol 1e-5: the key projection's gradient is nearly that noise too, and Adam turns
             # noise into steps of the learning rate's size either way.
             np.testing.assert_allclose(got, value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize('reduction', ['sum', 'mean_with_sample_weight'])
+def test_keras_loss_reductions_with_a_regularizer_under_the_strategy(mesh, reduction):
+    """1F1B under R=2 replicas shares each reduction out per micro-batch with the regularizer
+    counted once over all replicas (Keras divides it by the replicas inside compute_loss):
+    the loss and weights of plain Keras on one device."""
+
+    def model():
+        keras.utils.set_random_seed(3)
+        reg = keras.regularizers.L2(0.05)
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(16, activation='relu', kernel_regularizer=reg),
+             keras.layers.Dense(16, activation='tanh'), keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    x, y = DATA()
+    w = np.random.RandomState(2).uniform(0.1, 2.0, 64).astype('float32')
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+
+    def fit(m):
+        m.compile(keras.optimizers.SGD(0.1), loss)
+        fit = dict(sample_weight=w, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return m.fit(x, y, **fit).history['loss']
+
+    plain = model()
+    want = fit(plain)
+    with mesh.strategy().scope():
+        pipe = GPipe(model(), num_partitions=2, num_micro_batches=2, schedule='1f1b')
+        got = fit(pipe)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(pipe.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -81,14 +81,22 @@ def outputs_with_loss(loss, names):
 
 
 def regularization(model):
-    """The sum of the model's additional losses (regularizers), as Keras's compute_loss adds."""
+    """The model's additional losses (regularizers) as Keras's compute_loss adds them: summed,
+    and under a tf.distribute strategy divided by its replicas (each replica adds its part)."""
     terms = [tf.reduce_sum(tf.cast(v, keras.config.floatx())) for v in model.losses]
-    return tf.add_n(terms) if terms else tf.constant(0.0, keras.config.floatx())
+    total = tf.add_n(terms) if terms else tf.constant(0.0, keras.config.floatx())
+    return total / tf.cast(_replicas(), total.dtype)
 
 
-def share(kind, loss, regularizer, rows, total_rows, weights=None, total_weights=None):
-    """This micro-batch's share of the batch's loss (see the module doc); `loss` is its
-    compiled loss L_m, `regularizer` R (only read for SUM and WEIGHTED_MEAN)."""
+def _replicas():
+    return tf.distribute.get_strategy().num_replicas_in_sync
+
+
+def share(kind, loss, regularizer, rows, total_rows, weights=None, total_weights=None, undo=1):
+    """This micro-batch's share of this replica's part of the batch's loss (see the module
+    doc). `loss` is its compiled loss L_m times `undo` (what undoes Keras's division of a mean
+    by the replicas), `regularizer` what `regularization` says compute_loss added to it (only
+    read for SUM and WEIGHTED_MEAN); `total_rows` and `total_weights` are the global batch's."""
     by_rows = tf.cast(rows / tf.maximum(total_rows, 1.0), loss.dtype)
     if kind == MEAN:
         return by_rows * loss
@@ -97,4 +105,6 @@ def share(kind, loss, regularizer, rows, total_rows, weights=None, total_weights
     else:
         part = tf.cast(tf.math.divide_no_nan(weights, total_weights), loss.dtype)
     regularizer = tf.cast(regularizer, loss.dtype)
-    return part * (loss - regularizer) + by_rows * regularizer
+    in_loss = regularizer * undo  # the regularizer as it is inside `loss`
+    whole = regularizer * tf.cast(_replicas(), loss.dtype)  # over all replicas' shares: once
+    return part * (loss - in_loss) + by_rows * whole

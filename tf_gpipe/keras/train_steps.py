@@ -195,11 +195,12 @@ class TrainSteps:
             part = micro_loss.share(
                 kind,
                 loss,
-                None if kind == micro_loss.MEAN else micro_loss.regularization(self) * undo,
+                None if kind == micro_loss.MEAN else micro_loss.regularization(self),
                 rows,
                 counts[1],
                 None if total_weight is None else tf.reduce_sum(tf.cast(weights, tf.float32)),
                 total_weight,
+                undo,
             )
             # (mean, weight) with mean * weight = the share: the backward starts from the
             # share (times the loss scale), as plain Keras's does.
