@@ -8,6 +8,8 @@ until the model is saved). The first is copied here as Keras's own saving does (
 by comparing the two layers' plain attributes, and refused with the layer's name.
 """
 
+import functools
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -67,18 +69,20 @@ def _pairs(original, clone):
     return list(zip(sources, targets))
 
 
-_BASE = []
+@functools.cache
+def _framework_attributes():
+    """The attribute names every Keras layer has (the framework's, not a layer's settings)."""
+    return frozenset(vars(keras.layers.Layer()))
 
 
 def _constructor_attributes(layer):
     """{name: value} of the plain attributes the constructor sets from `layer`'s config, beyond
     every Keras layer's own. The clone is compared on those its build() left alone: build may
     set others from the input shape (the original may have been built on another, by adapt)."""
-    if not _BASE:
-        _BASE.append(frozenset(vars(keras.layers.Layer())))
     with keras.StatelessScope():
         fresh = keras_layer.make_layer(type(layer), keras_layer.layer_config(layer))
-    return {k: v for k, v in vars(fresh).items() if k not in _BASE[0] and _plain(v)}
+    base = _framework_attributes()
+    return {k: v for k, v in vars(fresh).items() if k not in base and _plain(v)}
 
 
 def _plain(value):

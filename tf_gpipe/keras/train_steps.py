@@ -90,14 +90,11 @@ class TrainSteps:
         # The scale this step's loss is multiplied by (apply_gradients may change it).
         loss_scale = tf.convert_to_tensor(self.optimizer.dynamic_scale) if scaled else None
 
-        def loss_of(y_true, y_pred, weights):
-            return self.compute_loss(y=y_true, y_pred=y_pred, sample_weight=weights)
-
         loss, grads, y_pred, counts = self._MicroBatchGradients(
             x,
             y,
             sample_weight,
-            loss_of,
+            self._CompiledLoss,
             micro_loss.reduction(self, self._options['schedule']),
             self._OptimizerStep(),
             self.optimizer.scale_loss,
@@ -145,11 +142,7 @@ class TrainSteps:
                     f'{self.name}.compute_gradients: give loss=... (e.g. "mse" or a '
                     'keras.losses.Loss), or compile the model with a loss.'
                 )
-            kind = micro_loss.reduction(self, schedule)
-
-            def loss_of(y_true, y_pred, weights):
-                return self.compute_loss(y=y_true, y_pred=y_pred, sample_weight=weights)
-
+            kind, loss_of = micro_loss.reduction(self, schedule), self._CompiledLoss
         else:
             loss_object = keras.losses.get(loss)
             if not isinstance(loss_object, keras.losses.Loss):
@@ -169,6 +162,10 @@ class TrainSteps:
         return loss_value, grads
 
     # ---- the pipeline's gradients ------------------------------------------------------------
+
+    def _CompiledLoss(self, y_true, y_pred, weights):
+        """A micro-batch's compiled loss (regularizers included), as Keras's compute_loss."""
+        return self.compute_loss(y=y_true, y_pred=y_pred, sample_weight=weights)
 
     def _MicroBatchGradients(self, x, y, sample_weight, loss_of, kind, step, scale_loss):
         """(loss, grads lined up with trainable_variables, outputs, _Counts) of one step, the
