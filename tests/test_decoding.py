@@ -46,12 +46,12 @@ def _restored(key, logdir, k, m):
     return t
 
 
-def _search(t, beam_size=0, alpha=0.6):
+def _search(t, beam_size=0, alpha=0.6, incremental=True):
     b = t.test_input.GetBatch(0)
     args = (t.task, b.src_ids, b.src_paddings, b.tgt_ids.numpy()[:, 0], int(b.tgt_ids.shape[1]))
     if not beam_size:
-        return decoding.greedy(*args)
-    return decoding.beam_search(*args, beam_size=beam_size, alpha=alpha)
+        return decoding.greedy(*args, incremental=incremental)
+    return decoding.beam_search(*args, beam_size=beam_size, alpha=alpha, incremental=incremental)
 
 
 def test_greedy_and_beam_search_of_the_pipeline_equal_one_device(mt_logdir):
@@ -72,6 +72,18 @@ def test_greedy_and_beam_search_of_the_pipeline_equal_one_device(mt_logdir):
     assert same
     np.testing.assert_allclose(one.scores[same], g2.scores[same], rtol=1e-5, atol=1e-6)
     assert g2.tokens_per_sec > 0
+
+
+def test_incremental_decoding_equals_recomputing_the_prefix(mt_logdir):
+    """The attention caches (per cell, on its device) give what recomputing the whole prefix at
+    every step gives: the same hypotheses, the same scores, for greedy and beam search (whose
+    beams reorder the caches)."""
+    piped = _restored(MT, mt_logdir, 2, 2)
+    for beam in (0, 3):
+        inc, full = _search(piped, beam), _search(piped, beam, incremental=False)
+        assert inc.incremental and not full.incremental
+        assert inc.hyps == full.hyps
+        np.testing.assert_allclose(inc.scores, full.scores, rtol=1e-5, atol=1e-5)
 
 
 def test_decoder_job_writes_hypotheses_and_their_bleu(mt_logdir):
@@ -106,7 +118,10 @@ def test_language_model_sampling(tmp_path):
     t = _restored(LM, logdir, 2, 2)
     prefix = t.test_input.GetBatch(0).ids.numpy()[:, :4]
     first = decoding.sample(t.task, prefix, 12, temperature=1.0, seed=3)
+    assert first.incremental
     assert first.hyps == decoding.sample(t.task, prefix, 12, temperature=1.0, seed=3).hyps
+    again = decoding.sample(t.task, prefix, 12, temperature=1.0, seed=3, incremental=False)
+    assert not again.incremental and again.hyps == first.hyps
     assert all(len(h) == 8 for h in first.hyps)
     # Sampling among the single best token is the argmax continuation.
     top1 = decoding.sample(t.task, prefix, 12, top_k=1, seed=5)
@@ -122,3 +137,16 @@ def test_language_model_sampling(tmp_path):
     values = decoder.run(t, top_k=4)
     assert values['perplexity'] > 1.0 and values['tokens_per_sec'] > 0
     assert os.path.exists(os.path.join(logdir, decoder.JOB, 'samples-40.txt'))
+
+
+def test_a_layer_that_cannot_step_decodes_by_recomputing(tmp_path, caplog):
+    """A non-causal LM (its layers see the future) has no step-by-step decoding: the stepper
+    says why in the log and recomputes the prefix at every step instead."""
+    p = _params(LM, 1, 1)
+    hyperparams.apply_overrides(p, 'task.layer_tpl.causal=False')
+    t = trainer.Trainer(p, str(tmp_path / 'lm'))
+    t.Build()
+    prefix = t.test_input.GetBatch(0).ids.numpy()[:2, :3]
+    decoded = decoding.sample(t.task, prefix, 6, top_k=1)
+    assert not decoded.incremental and all(len(h) == 3 for h in decoded.hyps)
+    assert 'non-causal' in caplog.text and 'causal=True' in caplog.text

@@ -93,3 +93,47 @@ def test_a_drop_probability_out_of_range_is_named_as_set(name):
         ValueError, match=rf"'tr': {name} must be a probability in \[0, 1\), got 1.5"
     ):
         _p(**{name: 1.5}).Instantiate()
+
+
+def _steps(layer, inputs, first, max_len):
+    """ExtendStep over `inputs` [B, T, ...]: the first `first` positions in one call (a prompt),
+    then one position per call; the outputs concatenated along T."""
+    outs, state = [], None
+    for a, b in [(0, first)] + [(t, t + 1) for t in range(first, 6)]:
+        if isinstance(inputs, dict):
+            step = NestedMap(vecs=inputs.vecs[:, a:b], paddings=inputs.paddings[:, a:b])
+            if state is None:  # later steps do without the source: it is cached
+                step.aux_vecs, step.aux_paddings = inputs.aux_vecs, inputs.aux_paddings
+        else:
+            step = inputs[:, a:b]
+        out, state = layer.ExtendStep(step, state, tf.constant(a), max_len)
+        outs.append(out['vecs'] if isinstance(out, dict) else out)
+    return tf.concat(outs, axis=1)
+
+
+@pytest.mark.parametrize('first', [1, 3])
+def test_decoding_step_by_step_equals_fprop(first):
+    """A causal layer's ExtendStep, with its key/value cache, gives FProp's outputs position by
+    position (a prompt of `first` positions in the first call); with cross-attention too, the
+    source's keys and values cached at the first call."""
+    x = tf.random.stateless_normal([2, 6, 8], [1, 5])
+    layer = _p(causal=True).Instantiate()
+    np.testing.assert_allclose(_steps(layer, x, first, 9), layer.FProp(x), rtol=1e-5, atol=1e-5)
+    dec = _p(causal=True, has_aux_atten=True).Instantiate()
+    state = NestedMap(
+        vecs=x,
+        paddings=tf.zeros([2, 6]),
+        aux_vecs=tf.random.stateless_normal([2, 4, 8], [2, 5]),
+        aux_paddings=tf.constant([[0.0, 0, 0, 1], [0, 0, 0, 0]]),
+    )
+    np.testing.assert_allclose(
+        _steps(dec, state, first, 6), dec.FProp(state)['vecs'], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_a_non_causal_layer_cannot_step():
+    layer = _p(causal=False).Instantiate()
+    x = tf.zeros([1, 1, 8])
+    out, state = layer.ExtendStep(x, None, tf.constant(0), 4)  # an encoder's one pass
+    with pytest.raises(NotImplementedError, match='non-causal.*causal=True'):
+        layer.ExtendStep(x, state, tf.constant(1), 4)

@@ -266,5 +266,8 @@ def test_demo_results_measures_both_demos(tmp_path):
     ]
     assert all(r['steps'] in (3, 4) and r['first_step_s'] > 0 for r in result['demos'])
     assert 'bleu' in result['demos'][1] and 'bleu' not in result['demos'][0]
+    for r in result['demos']:  # decoding speed, with caches and without: measured
+        speed = r['decode_tokens_per_sec']
+        assert all(0 < speed[m]['min'] <= speed[m]['median'] for m in ('incremental', 'recompute'))
     table = _run(['tools/results_table.py', str(out)])
     assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | gpipe | 4 |' in table

@@ -126,6 +126,10 @@ class BaseLayer(tf.Module):
     # True: its FProp and PostTrainingStepUpdate are converted once, here, wherever they run.
     _AUTOGRAPH = False
 
+    # Decoding position by position (ExtendStep): a layer each of whose output positions depends
+    # only on the same input position steps by its FProp and keeps no state.
+    _POSITION_WISE = False
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         for name in ('FProp', 'PostTrainingStepUpdate'):
@@ -283,6 +287,18 @@ class BaseLayer(tf.Module):
 
     def FProp(self, *inputs):
         raise NotImplementedError(f'{type(self).__name__} does not implement FProp.')
+
+    def ExtendStep(self, inputs, state, t, max_len):
+        """Decoding: FProp of positions t, t+1, ... of a sequence, given the `state` earlier calls
+        left (None on the first call, at t=0, which may cover a whole prefix). Returns (outputs,
+        new state); `max_len` bounds the positions, so that a state has one shape at every step
+        and the step is traced once."""
+        if self._POSITION_WISE:
+            return self.FProp(inputs), ()
+        raise NotImplementedError(
+            f'{type(self).__name__} ({self.params.name!r}) cannot decode step by step: it '
+            'defines no ExtendStep (mark a position-wise layer _POSITION_WISE = True).'
+        )
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):

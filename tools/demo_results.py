@@ -5,8 +5,11 @@
 Trains each demo model as `make demo` does (its params class's K, M and schedule on 4 logical
 CPUs, train_and_eval) and records the loss at the first and last step, the final eval accuracy,
 the first step's seconds (tracing included), steps/s and examples/s after it, and for the
-translation model the BLEU of beam search on its test batches. One run each: the figures of one
-machine at one time, as the file's metadata says.
+translation model the BLEU of beam search on its test batches. Then the decoding speed of the
+first test batch (translation: beam search of 4; language model: sampling the second half of
+each sequence), with the attention caches and by recomputing the prefix, in tokens/s: one
+warm-up run (the traces), then the median, least and most of DECODE_RUNS runs. One training run
+each: the figures of one machine at one time, as the file's metadata says.
 """
 
 import glob
@@ -24,6 +27,7 @@ OUT = flags.DEFINE_string('out', 'docs/results/demos.json', 'Result file.')
 STEPS_SCALE = flags.DEFINE_float(
     'steps_scale', 1.0, "Train steps = each demo's steps times this (a quick check: 0.02)."
 )
+DECODE_RUNS = 5
 DEMOS = (('lm.synthetic.TransformerLmTiny', 300), ('mt.synthetic.TransformerNmtTiny', 400))
 
 
@@ -70,7 +74,35 @@ def run_demo(key, steps, logdir):
     )
     if key.startswith('mt.'):
         row['bleu'] = decoder.run(t, beam_size=4)['bleu']
+    row['decode_tokens_per_sec'] = decode_speed(t, key)
     return row
+
+
+def decode_speed(t, key):
+    """{mode: {median, min, max}} tokens/s of decoding the first test batch."""
+    import numpy as np
+
+    from tf_gpipe.tasks import decoding
+
+    b = t.test_input.GetBatch(0)
+    if key.startswith('mt.'):
+        args = (t.task, b.src_ids, b.src_paddings, b.tgt_ids.numpy()[:, 0], b.tgt_ids.shape[1])
+
+        def run(incremental):
+            return decoding.beam_search(*args, beam_size=4, incremental=incremental)
+    else:
+        ids = b.ids.numpy()
+
+        def run(incremental):
+            prefix = ids[:, : ids.shape[1] // 2]
+            return decoding.sample(t.task, prefix, ids.shape[1], top_k=4, incremental=incremental)
+
+    out = {'runs': DECODE_RUNS}
+    for mode, incremental in (('incremental', True), ('recompute', False)):
+        assert run(incremental).incremental == incremental
+        rates = sorted(run(incremental).tokens_per_sec for _ in range(DECODE_RUNS))
+        out[mode] = dict(median=float(np.median(rates)), min=rates[0], max=rates[-1])
+    return out
 
 
 def main(argv):

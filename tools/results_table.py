@@ -341,19 +341,33 @@ def startup_table(result):
 def demos_table(result):
     lines = [
         '| model | K | M | schedule | steps | loss: first step, last | eval accuracy | BLEU | '
-        'first step s | steps/s after it (evals, checkpoints in) | examples/s | wall s |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+        'first step s | steps/s after it (evals, checkpoints in) | examples/s | wall s | '
+        'decoding tokens/s: attention caches, recomputing the prefix |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in result['demos']:
         bleu = f'{r["bleu"]:.1f}' if 'bleu' in r else ''
+        speed = r.get('decode_tokens_per_sec')
+        decode = (
+            ', '.join(
+                f'{s["median"]:.0f} ({s["min"]:.0f}–{s["max"]:.0f})'
+                for s in (speed['incremental'], speed['recompute'])
+            )
+            if speed
+            else ''
+        )
         lines.append(
             f'| {r["model"]} | {r["num_partitions"]} | {r["num_micro_batches"]} | '
             f'{r["schedule"]} | {r["steps"]} | {r["first_loss"]:.2f}, {r["last_loss"]:.3f} | '
             f'{r["eval_accuracy"]:.3f} | {bleu} | {r["first_step_s"]:.1f} | '
-            f'{r["steps_per_sec"]:.1f} | {r["examples_per_sec"]:.0f} | {r["wall_s"]:.0f} |'
+            f'{r["steps_per_sec"]:.1f} | {r["examples_per_sec"]:.0f} | {r["wall_s"]:.0f} | '
+            f'{decode} |'
         )
+    runs = result['demos'][0].get('decode_tokens_per_sec', {}).get('runs')
     lines += ['', f'{result["machine"]}, TF {result["tf_version"]}, {result["date"]}: '
-              f'`{result["command"]}` (one run).']  # fmt: skip
+              f'`{result["command"]}` (one training run; decoding: the median (least–most) of '
+              f'{runs} runs of the first test batch after a warm-up: beam search of 4 for '
+              f'translation, sampling for the language model).']  # fmt: skip
     return lines
 
 

@@ -573,6 +573,18 @@ class PipelinedLayer(base_layer.BaseLayer):
         with distribute.on(self._Row()[-1]):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
 
+    def ExtendStep(self, inputs, state, t, max_len):
+        """Decoding one step: replica 0's cells in order, each on its device with its own state
+        (a cell's attention caches stay on the cell's device); one sequence's steps form no
+        micro-batches."""
+        states = [None] * self.num_cells if state is None else state
+        new = []
+        for runner, cell, cell_state in zip(self._runners[0], self._cells, states):
+            with distribute.on(runner.device):
+                inputs, cell_state = cell.ExtendStep(inputs, cell_state, t, max_len)
+            new.append(cell_state)
+        return inputs, new
+
     def PostTrainingStepUpdate(self):
         """Replicas first pool their batch-norm sums, so every copy moves with the global batch.
 

@@ -6,6 +6,7 @@ import tensorflow as tf
 
 from tf_gpipe import base_layer
 from tf_gpipe.layers import dropout
+from tf_gpipe.nested_map import NestedMap
 
 _NEG_INF = -1e9
 
@@ -105,7 +106,6 @@ class MultiHeadAttention(base_layer.BaseLayer):
         q = self._Project(query_vecs, 'query')
         k = self._Project(source_vecs, 'key')
         v = self._Project(source_vecs, 'value')
-        logits = tf.einsum('btnh,bsnh->bnts', q, k) / tf.cast(math.sqrt(self._head_dim), q.dtype)
         bias = attention_bias(
             tf.shape(q)[1],
             tf.shape(k)[1],
@@ -114,6 +114,12 @@ class MultiHeadAttention(base_layer.BaseLayer):
             query_segment_ids,
             source_segment_ids,
         )
+        return self._Attend(q, k, v, bias)
+
+    def _Attend(self, q, k, v, bias):
+        """Heads q [B, T, N, H] attend to k, v [B, S, N, H] under the additive bias -> [B, T, D]."""
+        p = self.params
+        logits = tf.einsum('btnh,bsnh->bnts', q, k) / tf.cast(math.sqrt(self._head_dim), q.dtype)
         probs = tf.nn.softmax(tf.cast(logits, tf.float32) + bias, axis=-1)
         probs = self.atten_dropout.FProp(tf.cast(probs, self.fprop_dtype))
         context = tf.einsum('bnts,bsnh->btnh', probs, v)
@@ -123,6 +129,54 @@ class MultiHeadAttention(base_layer.BaseLayer):
         if p.bias:
             out += self.CastToFPropDtype(self.vars.b_post)
         return out
+
+    def ExtendStep(self, query_vecs, state, t, max_len, paddings=None):
+        """Causal self-attention of positions t.. [B, T, D] over every position decoded so far.
+
+        The state caches keys and values [B, max_len, N, H] and paddings [B, max_len] of the
+        positions before t (zeros after them: masked, as the causal mask hides them in FProp).
+        Each call projects only its own positions and writes them into the cache.
+        """
+        p = self.params
+        if not p.causal:
+            raise ValueError(
+                f'MultiHeadAttention {p.name!r}: only causal self-attention decodes step by step '
+                '(a non-causal one sees positions not decoded yet).'
+            )
+        x = tf.cast(query_vecs, self.fprop_dtype)
+        q, k, v = (self._Project(x, name) for name in ('query', 'key', 'value'))
+        length = tf.shape(x)[1]
+        if paddings is None:
+            paddings = tf.zeros(tf.shape(x)[:2], tf.float32)
+        # [T, max_len]: where each of this call's positions goes in the cache. Adding a one-hot
+        # copy to zeros writes the values exactly.
+        place = tf.one_hot(t + tf.range(length), max_len, dtype=x.dtype)
+        new = NestedMap(
+            key=tf.einsum('tl,btnh->blnh', place, k),
+            value=tf.einsum('tl,btnh->blnh', place, v),
+            paddings=tf.einsum('tl,bt->bl', tf.cast(place, tf.float32), paddings),
+        )
+        if state is not None:
+            new = tf.nest.map_structure(tf.add, state, new)
+        causal = tf.range(max_len)[tf.newaxis] <= (t + tf.range(length))[:, tf.newaxis]
+        allowed = tf.logical_and(causal[tf.newaxis], (new.paddings < 0.5)[:, tf.newaxis])
+        bias = tf.where(allowed[:, tf.newaxis], 0.0, _NEG_INF)  # [B, 1, T, max_len]
+        return self._Attend(q, new.key, new.value, bias), new
+
+    def CrossStep(self, query_vecs, state, source_vecs=None, source_paddings=None):
+        """Attention of decoded positions to a fixed source (a translation's encoder output):
+        the first call (state None) projects the source's keys and values once, into the state;
+        later calls read them from it."""
+        query_vecs = tf.cast(query_vecs, self.fprop_dtype)
+        if state is None:
+            source_vecs = tf.cast(source_vecs, self.fprop_dtype)
+            state = NestedMap(
+                key=self._Project(source_vecs, 'key'),
+                value=self._Project(source_vecs, 'value'),
+                bias=attention_bias(1, tf.shape(source_vecs)[1], source_paddings),
+            )
+        q = self._Project(query_vecs, 'query')
+        return self._Attend(q, state.key, state.value, state.bias), state
 
     @classmethod
     def FPropMeta(cls, p, query_shape, source_shape=None):

@@ -14,6 +14,8 @@ class DropoutLayer(base_layer.BaseLayer):
     Outside any context step, the layer counts its own training calls instead.
     """
 
+    _POSITION_WISE = True
+
     @classmethod
     def Params(cls):
         p = super().Params()

@@ -10,6 +10,8 @@ from tf_gpipe import base_layer
 class EmbeddingLayer(base_layer.BaseLayer):
     """ids [...] -> vectors [..., embedding_dim]."""
 
+    _POSITION_WISE = True
+
     @classmethod
     def Params(cls):
         p = super().Params()
@@ -58,11 +60,12 @@ class PositionalEmbeddingLayer(base_layer.BaseLayer):
                 f'must be even, got {self.params.embedding_dim}.'
             )
 
-    def Signal(self, length):
-        """[length, D] sinusoids: sin on the first half of the channels, cos on the second."""
+    def Signal(self, length, start=0):
+        """[length, D] sinusoids of positions start, start+1, ...: sin on the first half of the
+        channels, cos on the second."""
         p = self.params
         half = p.embedding_dim // 2
-        positions = tf.cast(tf.range(length), tf.float32)[:, tf.newaxis]
+        positions = tf.cast(tf.range(start, start + length), tf.float32)[:, tf.newaxis]
         rates = tf.exp(-math.log(p.max_timescale) * tf.range(half, dtype=tf.float32) / half)
         angles = positions * rates[tf.newaxis]
         return tf.concat([tf.sin(angles), tf.cos(angles)], axis=1)
@@ -70,6 +73,10 @@ class PositionalEmbeddingLayer(base_layer.BaseLayer):
     def FProp(self, vecs):
         signal = self.Signal(tf.shape(vecs)[1])
         return vecs + tf.cast(signal, vecs.dtype)[tf.newaxis]
+
+    def ExtendStep(self, vecs, state, t, max_len):
+        signal = self.Signal(tf.shape(vecs)[1], t)
+        return vecs + tf.cast(signal, vecs.dtype)[tf.newaxis], ()
 
     @classmethod
     def FPropMeta(cls, p, vecs):

@@ -9,6 +9,8 @@ from tf_gpipe.layers import activations
 class FCLayer(base_layer.BaseLayer):
     """y = activation(x @ w + b) over the last dimension of x."""
 
+    _POSITION_WISE = True
+
     @classmethod
     def Params(cls):
         p = super().Params()

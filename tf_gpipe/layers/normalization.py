@@ -89,6 +89,8 @@ class BatchNormLayer(base_layer.BaseLayer):
 class LayerNorm(base_layer.BaseLayer):
     """Layer norm over the last dimension, with a learnt scale and bias."""
 
+    _POSITION_WISE = True
+
     @classmethod
     def Params(cls):
         p = super().Params()

@@ -13,6 +13,16 @@ def chain(layers, args):
     return out
 
 
+def chain_steps(layers, inputs, states, t, max_len):
+    """ExtendStep through `layers` in order: (outputs, [each layer's new state])."""
+    states = [None] * len(layers) if states is None else states
+    new = []
+    for layer, state in zip(layers, states):
+        inputs, state = layer.ExtendStep(inputs, state, t, max_len)
+        new.append(state)
+    return inputs, new
+
+
 def chain_meta(params_list, shapes):
     """FPropMeta of running `params_list` in order on `shapes` (a tuple of input shapes)."""
     flops = params = act = 0
@@ -48,6 +58,9 @@ class SequentialLayer(base_layer.BaseLayer):
     def FProp(self, *args):
         return chain(self.sub, args)
 
+    def ExtendStep(self, inputs, state, t, max_len):
+        return chain_steps(self.sub, inputs, state, t, max_len)
+
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
         return chain_meta(p.sub, input_shapes)
@@ -78,6 +91,9 @@ class RepeatLayer(base_layer.BaseLayer):
 
     def FProp(self, *args):
         return chain(self.body, args)
+
+    def ExtendStep(self, inputs, state, t, max_len):
+        return chain_steps(self.body, inputs, state, t, max_len)
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):

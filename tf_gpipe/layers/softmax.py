@@ -20,6 +20,8 @@ def tie_embeddings(layers):
 class SoftmaxLayer(base_layer.BaseLayer):
     """FProp gives logits [..., num_classes]; XentLoss turns logits and labels into a loss."""
 
+    _POSITION_WISE = True
+
     @classmethod
     def Params(cls):
         p = super().Params()

@@ -102,6 +102,47 @@ class TransformerLayer(base_layer.BaseLayer):
         out['vecs'] = x
         return out
 
+    def ExtendStep(self, inputs, state, t, max_len):
+        """Decoding: a causal layer attends over its cached keys and values (and to the source
+        keys and values its cross-attention cached at the first call). A non-causal layer (a
+        translation encoder: its source does not change as the target grows) runs on the first
+        call only; later calls bring no 'vecs' for it, and it passes them through."""
+        p = self.params
+        state_in = inputs if isinstance(inputs, dict) else NestedMap(vecs=inputs)
+        if not p.causal:
+            if state is None:
+                return self.FProp(inputs), ()
+            if 'vecs' in state_in:
+                raise NotImplementedError(
+                    f'{p.name}: a non-causal layer cannot decode step by step (it sees '
+                    'positions not decoded yet); set causal=True'
+                )
+            return inputs, ()
+        if state_in.get('segment_ids') is not None:
+            raise ValueError(f'{p.name}: decoding step by step takes no packed segment_ids.')
+        state = NestedMap() if state is None else state
+        new = NestedMap()
+        x = tf.cast(state_in['vecs'], self.fprop_dtype)
+        h, new.atten = self.atten.ExtendStep(
+            self.ln_atten.FProp(x), state.get('atten'), t, max_len, state_in.get('paddings')
+        )
+        x += self.drop_atten.FProp(h)
+        if p.has_aux_atten:
+            if 'aux' not in state and state_in.get('aux_vecs') is None:
+                raise ValueError(f"{p.name}: the first decoding step needs 'aux_vecs'.")
+            h, new.aux = self.aux_atten.CrossStep(
+                self.ln_aux.FProp(x), state.get('aux'), state_in.get('aux_vecs'),
+                state_in.get('aux_paddings'),
+            )  # fmt: skip
+            x += self.drop_aux.FProp(h)
+        h = self.ffn_out.FProp(self.relu_drop.FProp(self.ffn_in.FProp(self.ln_ffn.FProp(x))))
+        x += self.drop_ffn.FProp(h)
+        if not isinstance(inputs, dict):
+            return x, new
+        out = NestedMap(state_in)
+        out['vecs'] = x
+        return out, new
+
     @classmethod
     def FPropMeta(cls, p, inputs):
         inputs = base_layer.to_shape(inputs)

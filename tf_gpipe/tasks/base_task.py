@@ -155,6 +155,11 @@ class BaseTask(base_layer.BaseLayer):
         """{name: tensor} of the forward on `inputs` (as ServingSpecs names them), eval mode."""
         raise NotImplementedError(f'{type(self).__name__} defines no Serve.')
 
+    def ServeStep(self, inputs, state, t, max_len):
+        """Serve for decoding position by position: ({name: tensor} at positions t.., the
+        network's new state); see BaseLayer.ExtendStep."""
+        raise NotImplementedError(f'{type(self).__name__} defines no ServeStep.')
+
     def _NumExamples(self, inputs):
         return tf.shape(tf.nest.flatten(inputs)[0])[0]
 

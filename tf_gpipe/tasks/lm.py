@@ -87,6 +87,12 @@ class LanguageModel(base_task.TokenLossMixin, base_task.BaseTask):
         logits = tf.cast(self.network.FProp(inputs['ids']), tf.float32)
         return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}
 
+    def ServeStep(self, inputs, state, t, max_len):
+        """Serve of positions t.. of `ids` (the first call: a whole prompt)."""
+        logits, state = self.network.ExtendStep(inputs['ids'], state, t, max_len)
+        logits = tf.cast(logits, tf.float32)
+        return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}, state
+
     def _Softmax(self):
         return self.network.cells[-1].sub[-1]
 

@@ -51,6 +51,12 @@ class MtSourceLayer(_MtLayer):
             tgt_paddings=batch.tgt_paddings,
         )
 
+    def ExtendStep(self, batch, state, t, max_len):
+        """Decoding: the source on the first call; later calls carry only the target step."""
+        if state is None:
+            return self.FProp(batch), ()
+        return NestedMap(tgt_ids=batch.tgt_ids, tgt_paddings=batch.tgt_paddings), ()
+
     @classmethod
     def FPropMeta(cls, p, batch):
         batch = base_layer.to_shape(batch)
@@ -83,6 +89,15 @@ class MtBridgeLayer(_MtLayer):
             aux_paddings=state.paddings,
         )
 
+    def ExtendStep(self, state, cache, t, max_len):
+        """Decoding: the target step's embedding at its positions; the encoder output (for the
+        decoder layers' cross-attention to cache) on the first call only."""
+        vecs, _ = self.pos.ExtendStep(self.emb.FProp(state.tgt_ids), None, t, max_len)
+        out = NestedMap(vecs=vecs, paddings=state.tgt_paddings)
+        if cache is None:
+            out.aux_vecs, out.aux_paddings = self.ln.FProp(state.vecs), state.paddings
+        return out, ()
+
     @classmethod
     def FPropMeta(cls, p, state):
         state = base_layer.to_shape(state)
@@ -99,6 +114,8 @@ class MtBridgeLayer(_MtLayer):
 
 class MtOutputLayer(_MtLayer):
     """Decoder state -> logits [B, T, vocab] (final layer norm, then softmax weights)."""
+
+    _POSITION_WISE = True
 
     @classmethod
     def Params(cls):
@@ -219,6 +236,13 @@ class TranslationModel(base_task.TokenLossMixin, base_task.BaseTask):
         (one decoding step of a search reads the last position)."""
         logits = tf.cast(self.network.FProp(NestedMap(**inputs)), tf.float32)
         return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}
+
+    def ServeStep(self, inputs, state, t, max_len):
+        """Serve of target positions t..: the first call takes the source too (the decoder
+        layers cache its keys and values); later ones only tgt_ids and tgt_paddings."""
+        logits, state = self.network.ExtendStep(NestedMap(**inputs), state, t, max_len)
+        logits = tf.cast(logits, tf.float32)
+        return {'logits': logits, 'log_probs': tf.nn.log_softmax(logits)}, state
 
     def _Softmax(self):
         return self.network.cells[-1].sub[-1].softmax
