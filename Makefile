@@ -65,14 +65,14 @@ plan-results: $(STAMP)
 	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
 	$(MAKE) readme-results
 
-# Start-up (trace + first call) of every schedule beside the plain sequence over K, M and L
-# (run on an idle machine; the full grid takes about an hour on 2 cores).
+# Start-up (trace + first call) and steady step of every schedule, the tick loop (the default)
+# and the unrolled executor in the same process, beside the plain sequence, over K, M and L (run
+# on an idle machine: about 30 minutes on 2 cores; the tool's default grid, K, L up to 8, 64,
+# takes hours).
 startup-results: $(STAMP)
-	$(PY) tools/startup.py --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
-	$(PY) tools/startup.py --tick_loop --compare_unrolled --num_stages=4 --layers=16 \
-	  --micro_batches=4,16,32 \
-	  --output=$(RESULTS)/startup_tick_loop.json > $(RESULTS)/startup_tick_loop.txt
-	$(PY) tools/startup.py --tick_loop --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
+	$(PY) tools/startup.py --compare_unrolled --num_stages=2,4 --layers=8,16 \
+	  --micro_batches=4,16,32 --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
+	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt
 	$(MAKE) readme-results

@@ -95,3 +95,69 @@ def test_mirrored_strategy_takes_copy_devices_from_colocate_with():
         v = tf.Variable(1.0)
     got = [tf.DeviceSpec.from_string(c.device).device_index for c in v.values]
     assert got == [1, 3]
+
+
+def test_noinline_function_attribute_is_kept():
+    """Cells' forward/backward (recompute.py, split_functions.py) and the loop's helpers
+    (ownership.py, tick_loop.py) are tf.functions with the function attribute `_noinline`, so
+    TF calls one instantiated function wherever they appear instead of inlining a copy of
+    their body at every call site (a step's program would grow with L and M)."""
+
+    @tf.function(autograph=False, experimental_attributes={'_noinline': True})
+    def cell(x):
+        return x * 2.0
+
+    fdef = cell.get_concrete_function(tf.TensorSpec([2])).function_def
+    assert fdef.attr['_noinline'].b is True
+
+    @tf.function(autograph=False)
+    def step(x):
+        return cell(x) + cell(x + 1.0)
+
+    graph = step.get_concrete_function(tf.TensorSpec([2])).graph
+    calls = [op for op in graph.get_operations() if op.type.endswith('PartitionedCall')]
+    assert len(calls) == 2 and float(tf.reduce_sum(step(tf.ones([2])))) == 12.0
+
+
+def test_op_type_names_and_the_captured_variable_handle():
+    """B/W splitting (weight_gradients.py, split_functions.py) finds a variable's reads in a
+    traced graph: the variable's handle is captured as a resource Placeholder (found by
+    `tf.identity(v.handle).op.inputs[0]`), read by ops of type 'ReadVariableOp' (followed
+    through 'Identity' and 'Cast'), written by the assign ops split_functions.WRITE_OPS names."""
+    from tf_gpipe.gpipe import split_functions, weight_gradients
+
+    v = tf.Variable(tf.ones([2, 2]))
+    seen = {}
+
+    @tf.function(autograph=False)
+    def fn(x):
+        handle = weight_gradients.captured_handle(v)
+        seen['handle'] = (handle.op.type, handle.dtype)
+        y = tf.matmul(tf.cast(x, tf.float16), tf.cast(tf.identity(v), tf.float16))
+        v.assign_add(tf.ones([2, 2]))
+        graph = tf.compat.v1.get_default_graph()
+        seen['reads'] = [
+            op for op in graph.get_operations()
+            if op.type == 'ReadVariableOp' and op.inputs[0] is handle
+        ]  # fmt: skip
+        seen['types'] = {op.type for op in graph.get_operations()}
+        return y
+
+    fn(tf.ones([1, 2]))
+    assert seen['handle'] == ('Placeholder', tf.resource)
+    assert seen['reads'], 'no ReadVariableOp reads the captured handle'
+    assert {'Identity', 'Cast'} <= seen['types']
+    assert 'AssignAddVariableOp' in seen['types'] & split_functions.WRITE_OPS
+
+
+def test_keras_variable_value_is_the_backing_tf_variable():
+    """keras_layer.py, keras_state.py and train_steps.backing read `KerasVariable.value`: under
+    the TF backend it is the tf.Variable itself (its handle, device and .ref() are what the
+    pipeline's tapes and placement see)."""
+    import keras
+
+    v = keras.Variable(tf.ones([3]))
+    assert isinstance(v.value, tf.Variable)
+    assert v.value is v.value  # one variable, not a fresh read
+    v.assign(tf.zeros([3]))
+    assert float(tf.reduce_sum(v.value)) == 0.0

@@ -115,7 +115,7 @@ def test_no_targets_and_the_program_does_not_grow_with_m():
     assert nodes(4) == nodes(8)
 
 
-def test_steps_it_cannot_run_fall_back_with_a_reason():
+def test_steps_it_cannot_run_fall_back_with_a_reason(caplog):
     sched = schedules.build('1f1b', 2, 2)
     micro = [tf.ones([2, 3]), tf.ones([2, 3])]
     assert tick_loop.unsupported(sched, 'always', micro, None) == 'eager execution'
@@ -130,11 +130,13 @@ def test_steps_it_cannot_run_fall_back_with_a_reason():
 
     probe()
     assert reasons == ['micro-batches of different sizes', None]
-    # An uneven batch (M does not divide it) still trains, by the unrolled executor.
+    # An uneven batch (M does not divide it) still trains, by the unrolled executor, and the
+    # log says so (once per reason).
     unrolled, loop = _pair('1f1b', 'always', m=2)
     x = tf.random.stateless_normal([5, 6], [1, 2])
     t = tf.random.stateless_normal([5, 6], [3, 4])
     _close(_step(loop, x, t)[1], _step(unrolled, x, t)[1])
+    assert 'runs unrolled' in caplog.text and 'micro-batches of different sizes' in caplog.text
 
 
 def test_each_tick_sends_only_the_boundary_messages():
@@ -165,3 +167,18 @@ def test_each_tick_sends_only_the_boundary_messages():
                 crossing.append((n.op, i.startswith('^')))
     # The forward message (stage 0 -> 1) and the backward one (1 -> 0), one tensor each.
     assert crossing == [('TensorListSetItem', False)] * 2, crossing
+
+
+def test_except_last_recomputes_what_would_wait_across_ticks():
+    """Fill-drain's last micro-batch on every cell but the last waits ticks for its output
+    gradient: under 'except_last' the loop recomputes it rather than cut every cell into F and
+    B (a second trace); the last cell's is one forward-and-backward call. Zero-bubble's kept
+    micro-batches stay carried (W reads B's work), and so does everything under 'never'."""
+
+    def loop(name, policy):
+        return tick_loop.TickLoop(None, schedules.build(name, 2, 4), policy, 0, 0, None)
+
+    for name in ('gpipe', '1f1b'):
+        assert not loop(name, 'except_last').carried and loop(name, 'except_last').fused
+    assert loop('zero_bubble', 'except_last').carried
+    assert len(loop('gpipe', 'never').carried) == 7  # all but the last cell's last one (fused)

@@ -308,6 +308,7 @@ def startup_table(result):
     ms = sorted({int(m) for s in summary for m in s['startup_s']})
     engine = f'{result["engine"]}: ' if result.get('engine') else ''
     compared = any('unrolled_steady_ms' in s for s in summary)
+    ratio = any('steady_ratio' in s for s in summary)
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
         'call of a training step (loss and gradients), each (K, L, M) in a fresh process, one '
@@ -317,8 +318,13 @@ def startup_table(result):
         + ' | '.join(f'start-up s, M={m}' for m in ms)
         + ' | M=max / M=min | vs plain at M=max | plain s | nodes per extra micro-batch '
         '| steady ms (plain) |'
-        + (' unrolled at M=max: start-up s | steady ms |' if compared else ''),
-        '|---|---|---|' + '---|' * len(ms) + '---|---|---|---|---|' + '---|---|' * compared,
+        + (' unrolled at M=max: start-up s | steady ms |' if compared else '')
+        + (' steady loop / unrolled, per round: median (range) |' if ratio else ''),
+        '|---|---|---|'
+        + '---|' * len(ms)
+        + '---|---|---|---|---|'
+        + '---|---|' * compared
+        + '---|' * ratio,
     ]
     for s in summary:
         cells = ' | '.join(
@@ -333,6 +339,12 @@ def startup_table(result):
                 f' {s["unrolled_startup_s"]:.1f} | {s["unrolled_steady_ms"]:.0f} |'
                 if 'unrolled_steady_ms' in s
                 else ' | |' * compared
+            )
+            + (
+                f' {s["steady_ratio"]:.2f} ({s["steady_ratio_range"][0]:.2f}–'
+                f'{s["steady_ratio_range"][1]:.2f}) |'
+                if 'steady_ratio' in s
+                else ' |' * ratio
             )
         )
     return lines

@@ -3,8 +3,8 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=docs/results/startup.json
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
-    python tools/startup.py --tick_loop ...   # the tick loop (PipelinedLayer tick_loop=True)
-    python tools/startup.py --tick_loop --compare_unrolled --dim=256 ...   # both, larger cells
+    python tools/startup.py --notick_loop ...   # the unrolled executor (tick_loop=False)
+    python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
@@ -36,14 +36,14 @@ POLICY = flags.DEFINE_enum(
 )
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop',
-    False,
-    'PipelinedLayer.tick_loop=True: the schedule as a loop over clock ticks (default: the '
-    'unrolled executor, the library default).',
+    True,
+    'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks (the library default); '
+    '--notick_loop: the unrolled executor.',
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
     False,
-    'With --tick_loop: also measure the unrolled executor in the same process (its start-up '
+    'Also measure the unrolled executor in the same process (its start-up '
     "and steady step at the largest M, beside the loop's).",
 )
 DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer layers (hidden 2d).')
@@ -56,7 +56,8 @@ HEADS, SEQ = 2, 16
 
 
 def _measure(step, args):
-    import numpy as np
+    """Start-up and graph size of `step`; returns (row, a call of the step for the steady
+    rounds)."""
     import tensorflow as tf
 
     fn = tf.function(step)
@@ -65,20 +66,28 @@ def _measure(step, args):
     t1 = time.perf_counter()
     tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
     t2 = time.perf_counter()
-    steady = []
-    for _ in range(STEPS.value):
-        s = time.perf_counter()
-        tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
-        steady.append(time.perf_counter() - s)
     graph = concrete.graph.as_graph_def()
-    return dict(
+    row = dict(
         trace_s=t1 - t0,
         first_call_s=t2 - t1,
         startup_s=t2 - t0,
-        steady_s=float(np.median(steady)),
         outer_nodes=len(graph.node),
         library_nodes=sum(len(f.node_def) for f in graph.library.function),
     )
+    return row, lambda: tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+
+
+def _steady_rounds(measured):
+    """Times every step once per round, round after round (so that a busy moment slows
+    all of them alike): each row's steady_s is its median, steady_all its every time."""
+    times = [[] for _ in measured]
+    for _ in range(STEPS.value):
+        for i, (_, call) in enumerate(measured):
+            start = time.perf_counter()
+            call()
+            times[i].append(time.perf_counter() - start)
+    for (row, _), seen in zip(measured, times):
+        row.update(steady_s=float(sorted(seen)[len(seen) // 2]), steady_all=seen)
 
 
 def _child(spec):
@@ -104,7 +113,6 @@ def _child(spec):
     def loss_fn(out, t):
         return tf.reduce_mean(tf.reduce_sum(out.vecs * t, -1))
 
-    rows = []
     plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
 
     def plain_step(x, t):
@@ -112,7 +120,8 @@ def _child(spec):
             loss = loss_fn(plain.FProp(x), t)
         return loss, tape.gradient(loss, plain.trainable_variables)
 
-    rows.append(dict(kind='plain', schedule='', **_measure(plain_step, (x, targets))))
+    measured = [_measure(plain_step, (x, targets))]
+    measured[0][0].update(kind='plain', schedule='')
     engines = [(TICK_LOOP.value, 'pipeline')]
     if TICK_LOOP.value and COMPARE.value:
         engines.append((False, 'unrolled'))
@@ -139,7 +148,10 @@ def _child(spec):
         def pipe_step(x, t, pipe=pipe):
             return pipe.ComputeGradients(x, t, loss_fn)
 
-        rows.append(dict(kind=kind, schedule=schedule, **_measure(pipe_step, (x, targets))))
+        measured.append(_measure(pipe_step, (x, targets)))
+        measured[-1][0].update(kind=kind, schedule=schedule)
+    _steady_rounds(measured)
+    rows = [row for row, _ in measured]
     for r in rows:
         r.update(num_stages=k, layers=num_layers, num_micro_batches=m)
     print(json.dumps(rows))
@@ -189,9 +201,15 @@ def summarise(rows):
             )
         )
         if hi in unrolled:  # the unrolled executor, same process and M
+            # Per round, the loop's step over the unrolled one's (timed back to back).
+            ratios = sorted(
+                a / b for a, b in zip(mine[hi]['steady_all'], unrolled[hi]['steady_all'])
+            )
             out[-1].update(
                 unrolled_startup_s=unrolled[hi]['startup_s'],
                 unrolled_steady_ms=1e3 * unrolled[hi]['steady_s'],
+                steady_ratio=ratios[len(ratios) // 2],
+                steady_ratio_range=[ratios[0], ratios[-1]],
             )
     return out
 

@@ -20,6 +20,7 @@ import contextlib
 import types
 
 import tensorflow as tf
+from absl import logging
 
 from tf_gpipe import base_layer, cluster, distribute, fprop_context
 from tf_gpipe.gpipe import (
@@ -78,10 +79,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         p.Define(
             'tick_loop',
-            False,
+            True,
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: a program '
-            'and start-up flat in M, a slower steady step (tick_loop.py). False, or a step it '
-            'cannot run (eager, a strategy, uneven micro-batches): one call per action, the '
+            'and start-up flat in M (tick_loop.py); its steady step can be slower at small M '
+            'and tiny cells. False, or a step it cannot run (eager, a strategy, uneven '
+            'micro-batches; said in the log): the unrolled executor, one call per action, its '
             'program growing with M.',
         )
         return p
@@ -104,7 +106,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         # Fails early on a bad name (and checks M against the interleaved schedule).
         schedules.build(p.schedule, k, p.num_micro_batches, p.virtual_stages)
         # Plain caches, out of tf.Module's tracking (a checkpoint holds no schedules).
-        self._cache = types.SimpleNamespace(schedules={}, orders={})
+        self._cache = types.SimpleNamespace(schedules={}, orders={}, unrolled_reasons=set())
         # Under mesh.strategy().scope() the strategy's replicas are the mesh's rows: one set of
         # cells whose variables have a copy per replica (cell k's on mesh[r][k]), run by
         # replica r on row r inside strategy.run. Otherwise R in-graph copies of the cells.
@@ -523,19 +525,28 @@ class PipelinedLayer(base_layer.BaseLayer):
         return loss, grads, outputs
 
     def _RunTicks(self, run, micro, targets, return_outputs):
-        """Runs `run`'s actions as a tick loop when the step allows it; False otherwise."""
+        """Runs `run`'s actions as a tick loop when the step allows it; False otherwise (said
+        in the log, once per reason: the step's program then grows with M)."""
         p = self.params
         if not p.tick_loop:
             return False
         targets = None if targets is None or targets[0] is None else targets
-        if tick_loop.unsupported(run.sched, p.recompute, micro, targets) is not None:
-            return False
-        loop = tick_loop.TickLoop(
-            run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
-        )
-        try:
-            loop.Run(micro, targets, want_outputs=return_outputs)
-        except tick_loop.UnsupportedError:
+        why = tick_loop.unsupported(run.sched, p.recompute, micro, targets)
+        if why is None:
+            loop = tick_loop.TickLoop(
+                run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
+            )
+            try:
+                loop.Run(micro, targets, want_outputs=return_outputs)
+            except tick_loop.UnsupportedError as e:
+                why = str(e)
+        if why is not None:
+            if why not in self._cache.unrolled_reasons:
+                self._cache.unrolled_reasons.add(why)
+                logging.warning(
+                    '%s: tick_loop=True, but this step runs unrolled (its program grows with '
+                    'M): %s.', p.name, why,
+                )  # fmt: skip
             return False
         run.losses, run.outputs = loop.losses, loop.outputs
         return True

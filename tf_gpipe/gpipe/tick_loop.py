@@ -22,9 +22,11 @@ What crosses ticks is loop state:
 - the loss sums, and the last stage's outputs when asked for.
 
 A kept micro-batch whose backward is the very next action on the last stage is one call for
-forward and backward (its activations live only inside it). Any other kept micro-batch carries
-its residuals in TensorArrays from F to B (and W), F, B and W being cut from one trace of the
-cell (split_functions.py). `unsupported` names what the loop does not run (the caller runs the
+forward and backward (its activations live only inside it). Under 'except_last' without a
+split backward the other kept ones (fill-drain's last, whose B waits for its output gradient)
+are recomputed; any other kept micro-batch carries its residuals in TensorArrays from F to B
+(and W), F, B and W being cut from one trace of the cell (split_functions.py). Each device runs
+one action at a time: its next tick waits for its current action. `unsupported` names what the loop does not run (the caller runs the
 unrolled executor then).
 """
 
@@ -146,6 +148,12 @@ class TickLoop:
         self.sums = sums
         kept = executor.kept_micro_batches(sched, policy)
         self.fused = _fusable(sched, kept)
+        if policy == 'except_last' and not sched.split_backward:
+            # A kept micro-batch whose B waits ticks for its output gradient (fill-drain's last
+            # one on every cell but the last) would carry its residuals, which needs the cell
+            # cut into F and B (a second trace of every cell, start-up doubled); recomputing
+            # it costs one micro-batch's forward per such cell and step instead.
+            kept = self.fused
         self.carried = kept - self.fused
         self.losses = {}
         self.outputs = {}
@@ -475,7 +483,12 @@ class TickLoop:
                         ]
             for d in range(K):
                 new['dense'][d] = messages[d]['dense']
-                with distribute.on(devices[d]):
+                # A device starts its next tick's action once this one's is done: one action
+                # at a time per device, as the schedule (and its memory bound) assumes.
+                with (
+                    distribute.on(devices[d]),
+                    tf.control_dependencies(tf.nest.flatten(messages[d])),
+                ):
                     new['clock'][d] = state['clock'][d] + 1
             last = messages[sched.device_of(S - 1)]
             with distribute.on(stages[-1].device):

@@ -21,9 +21,9 @@ def PipelineParams():
     p.Define('jit_compile', False, 'XLA for each cell.')
     p.Define(
         'tick_loop',
-        False,
-        'The training step as a loop over clock ticks: start-up flat in M, a slower steady step '
-        '(PipelinedLayer.tick_loop).',
+        True,
+        'The training step as a loop over clock ticks: start-up flat in M; False: the unrolled '
+        'executor (PipelinedLayer.tick_loop).',
     )
     return p
 
