@@ -47,6 +47,10 @@ engine-results: $(STAMP)
 	  --batch_size=4096 --num_micro_batches=8 --activation=RELU \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --output=$(RESULTS)/peak_memory.json \
 	  > $(RESULTS)/peak_memory.txt
+	TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
+	  --batch_size=4096 --num_micro_batches=8 --activation=RELU --tick_loop \
+	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble \
+	  --output=$(RESULTS)/peak_memory_tick_loop.json > $(RESULTS)/peak_memory_tick_loop.txt
 	for s in gpipe 1f1b zero_bubble; do \
 	  $(PY) tools/timeline.py --schedule=$$s --recompute=never --num_micro_batches=8 \
 	    --output=docs/timeline_$$s.png --json > $(RESULTS)/timeline_$$s.json || exit 1; done
@@ -65,8 +69,8 @@ plan-results: $(STAMP)
 	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
 	$(MAKE) readme-results
 
-# Start-up (trace + first call) and steady step of every schedule, the tick loop (the default)
-# and the unrolled executor in the same process, beside the plain sequence, over K, M and L (run
+# Start-up (trace + first call) and steady step of every schedule, the tick loop and the
+# unrolled executor (the default) in the same process, beside the plain sequence, over K, M and L (run
 # on an idle machine: about 30 minutes on 2 cores; the tool's default grid, K, L up to 8, 64,
 # takes hours).
 startup-results: $(STAMP)

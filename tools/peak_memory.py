@@ -35,6 +35,9 @@ POLICIES = flags.DEFINE_list(
 VIRTUAL = flags.DEFINE_integer('virtual_stages', 2, 'v of an interleaved_1f1b row.')
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
+TICK_LOOP = flags.DEFINE_bool(
+    'tick_loop', False, 'PipelinedLayer.tick_loop for the ComputeGradients rows (the tick loop).'
+)
 
 
 def _step_fn(model, x):
@@ -126,7 +129,7 @@ def measure():
                 .Set(
                     name='m', sub=sub, partition_by='uniform', num_micro_batches=m, recompute=policy
                 )
-                .Set(schedule=schedule or 'gpipe', virtual_stages=v)
+                .Set(schedule=schedule or 'gpipe', virtual_stages=v, tick_loop=TICK_LOOP.value)
                 .Instantiate()
             )
             # The validator's high-water mark of device 0, in micro-batches of the whole stack
@@ -164,7 +167,7 @@ def measure():
 def main(_):
     from bench_common import run_metadata
 
-    result = dict(measure(), **run_metadata())
+    result = dict(measure(), tick_loop=TICK_LOOP.value, **run_metadata())
     if OUTPUT.value:
         from bench_common import write_json
 

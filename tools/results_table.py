@@ -27,7 +27,8 @@ BLOCK = re.compile(r'(<!-- results: (?P<files>[^>]+?) -->\n)(?P<body>.*?)(<!-- /
 def memory_table(result):
     lines = [
         f'{result["layers"]} FC x {result["width"]}, batch {result["batch_size"]}, K=1 '
-        '(peak bytes above the resident weights):',
+        + ('(the tick loop) ' if result.get('tick_loop') else '')
+        + '(peak bytes above the resident weights):',
         '',
         '| setting | M | recompute | peak MiB | vs plain | high-water | units | predicted MiB |',
         '|---|---|---|---|---|---|---|---|',

@@ -3,7 +3,7 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=docs/results/startup.json
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
-    python tools/startup.py --notick_loop ...   # the unrolled executor (tick_loop=False)
+    python tools/startup.py --notick_loop ...   # the unrolled executor (the library default)
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
@@ -37,8 +37,8 @@ POLICY = flags.DEFINE_enum(
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop',
     True,
-    'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks (the library default); '
-    '--notick_loop: the unrolled executor.',
+    'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks (opt-in in the '
+    'library); --notick_loop: the unrolled executor (the library default).',
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',

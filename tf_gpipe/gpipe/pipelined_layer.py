@@ -79,10 +79,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         p.Define(
             'tick_loop',
-            True,
+            False,
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: a program '
-            'and start-up flat in M (tick_loop.py); its steady step can be slower at small M '
-            'and tiny cells. False, or a step it cannot run (eager, a strategy, uneven '
+            'and start-up flat in M (tick_loop.py), for now a slower steady step and a higher '
+            'peak memory. False, or a step it cannot run (eager, a strategy, uneven '
             'micro-batches; said in the log): the unrolled executor, one call per action, its '
             'program growing with M.',
         )

@@ -69,8 +69,8 @@ class GPipeModel(TrainSteps, keras.Model):
       devices: K device names (None: the current mesh, see tf_gpipe.cluster).
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
-      tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop,
-        the default): start-up flat in M; False: the unrolled executor.
+      tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop):
+        start-up flat in M, for now a slower steady step and more memory.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
 
@@ -88,7 +88,7 @@ class GPipeModel(TrainSteps, keras.Model):
         devices=None,
         partition_by='flops',
         jit_compile=False,
-        tick_loop=True,
+        tick_loop=False,
         input_shape=None,
         input_dtype=None,
         name=None,

@@ -21,9 +21,9 @@ def PipelineParams():
     p.Define('jit_compile', False, 'XLA for each cell.')
     p.Define(
         'tick_loop',
-        True,
-        'The training step as a loop over clock ticks: start-up flat in M; False: the unrolled '
-        'executor (PipelinedLayer.tick_loop).',
+        False,
+        'The training step as a loop over clock ticks: start-up flat in M, for now a slower '
+        'steady step and more memory (PipelinedLayer.tick_loop).',
     )
     return p
 
