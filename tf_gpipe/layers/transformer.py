@@ -94,8 +94,16 @@ class TransformerLayer(base_layer.BaseLayer):
                 state.get('aux_segment_ids'),
             )
             x += self.drop_aux.FProp(h)
+        return self._Output(inputs, state, self._FeedForward(x))
+
+    def _FeedForward(self, x):
+        """x + Drop(FFN(LN(x))): the block's last residual branch."""
         h = self.ffn_out.FProp(self.relu_drop.FProp(self.ffn_in.FProp(self.ln_ffn.FProp(x))))
-        x += self.drop_ffn.FProp(h)
+        return x + self.drop_ffn.FProp(h)
+
+    @staticmethod
+    def _Output(inputs, state, x):
+        """The same kind as `inputs`: a tensor, or the NestedMap with `vecs` replaced."""
         if not isinstance(inputs, dict):
             return x
         out = NestedMap(state)
@@ -135,13 +143,7 @@ class TransformerLayer(base_layer.BaseLayer):
                 state_in.get('aux_paddings'),
             )  # fmt: skip
             x += self.drop_aux.FProp(h)
-        h = self.ffn_out.FProp(self.relu_drop.FProp(self.ffn_in.FProp(self.ln_ffn.FProp(x))))
-        x += self.drop_ffn.FProp(h)
-        if not isinstance(inputs, dict):
-            return x, new
-        out = NestedMap(state_in)
-        out['vecs'] = x
-        return out, new
+        return self._Output(inputs, state_in, self._FeedForward(x)), new
 
     @classmethod
     def FPropMeta(cls, p, inputs):
