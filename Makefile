@@ -1,16 +1,16 @@
-# Two commands (README quick start):  `make demo`  and  `make test`.
+# Two commands (the README's quick start):  `make demo`  and  `make test`.
 # Each creates .venv if missing and installs the package into it; nothing else is needed.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean engine-results plan-results readme-results startup-results demo-results
+.PHONY: demo test docs lint format clean engine-results plan-results results-tables readme-results startup-results demo-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,plot]'
+	$(PY) -m pip install --quiet -e '.[test,plot,docs]'
 	touch $(STAMP)
 
 # Trains the tiny Transformer LM: K=4 cells on 4 logical CPUs, M=8; loss falls, accuracy rises.
@@ -18,7 +18,12 @@ demo: $(STAMP)
 	$(PY) tools/trainer.py --model=lm.synthetic.TransformerLmTiny --logdir=runs/lm \
 	  --num_logical_cpus=4 --mode=train_and_eval
 
-# Lint, then the suite on 3 workers (on 2 cores: a worker waiting on a trainer or TF-worker
+# The guides in docs/ as a site (docs/_build/html): Sphinx with MyST, warnings are errors, so a
+# broken link, a missing anchor or a page outside the table of contents fails.
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -q -W --keep-going -n -b html docs docs/_build/html
+
+# Lint, the docs build, then the suite on 3 workers (on 2 cores: a worker waiting on a trainer or TF-worker
 # process it started leaves its core to the others), then the measurements (marked `idle`)
 # alone: under the
 # other worker's load a memory peak moves by a micro-batch's activations and a trace stamp by
@@ -31,6 +36,7 @@ PYTEST := TF_CPP_MIN_LOG_LEVEL=3 PYTHONUNBUFFERED=1 $(PY) -m pytest -q --duratio
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(MAKE) docs
 	for run in "-n 3 -m 'not idle'" "-m idle"; do \
 	  eval $(PYTEST) $$run 2>.pytest-stderr; \
 	  rc=$$?; grep -v -E '$(TF_NOISE)' .pytest-stderr >&2; rm -f .pytest-stderr; \
@@ -38,7 +44,7 @@ test: $(STAMP)
 	  if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	done
 
-# The engine's figures in the README (about 25 minutes on 2 cores; run on an idle machine):
+# The engine's figures in docs/results.md (about 25 minutes on 2 cores; run on an idle machine):
 # peak memory per schedule, timelines of gpipe / 1f1b / zero_bubble, throughput per schedule.
 RESULTS := docs/results
 engine-results: $(STAMP)
@@ -57,9 +63,9 @@ engine-results: $(STAMP)
 	$(PY) tools/benchmark.py --families=fc,transformer --micro_batches=4,8 \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
 	  --overheads=false --output=$(RESULTS)/schedules.json > $(RESULTS)/schedules.txt
-	$(MAKE) readme-results
+	$(MAKE) results-tables
 
-# The planner's figures in the README (about 12 minutes on 2 cores; run on an idle machine):
+# The planner's figures in docs/planning.md (about 12 minutes on 2 cores; run on an idle machine):
 # predicted vs measured memory and step time, the paper's tables at their scale, one plan.
 plan-results: $(STAMP)
 	mkdir -p $(RESULTS)
@@ -67,7 +73,7 @@ plan-results: $(STAMP)
 	$(PY) tools/paper_scale.py --output=$(RESULTS)/paper_scale.json
 	$(PY) tools/plan.py --model=lm.lm1b.TransformerLmPaper --device=tpu-v3 --num_devices=8 \
 	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
-	$(MAKE) readme-results
+	$(MAKE) results-tables
 
 # Start-up (trace + first call) and steady step of every schedule, the tick loop and the
 # unrolled executor (the default) in the same process, beside the plain sequence, over K, M and L (run
@@ -79,20 +85,21 @@ startup-results: $(STAMP)
 	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt
-	$(MAKE) readme-results
+	$(MAKE) results-tables
 
 # The quick start's demo figures: both demos trained (and the translation decoded), measured.
 demo-results: $(STAMP)
 	$(PY) tools/demo_results.py --out=$(RESULTS)/demos.json
-	$(MAKE) readme-results
+	$(MAKE) results-tables
 
-# The README's results tables, rewritten from the JSON files under docs/results (no figure typed).
-readme-results: $(STAMP)
-	$(PY) tools/results_table.py --readme
+# The results tables of the README and docs/*.md, rewritten from the JSON files under docs/results
+# (no figure typed). readme-results is the old name.
+results-tables readme-results: $(STAMP)
+	$(PY) tools/results_table.py --write
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache docs/_build

@@ -30,5 +30,6 @@ setup(
     extras_require={
         'test': ['pytest', 'pytest-xdist', 'ruff'],
         'plot': ['matplotlib'],
+        'docs': ['sphinx', 'myst-parser'],
     },
 )

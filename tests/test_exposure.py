@@ -1,5 +1,5 @@
 """exposure: a TF server we start on a loopback cluster still listens on every interface (TF
-binds 0.0.0.0; pinned here, so an upgrade that honours the host fails loudly and the README's
+binds 0.0.0.0; pinned here, so an upgrade that honours the host fails loudly and docs/reliability.md's
 Security section gets revised), and the worker says so in one line; a socket bound to loopback
 only is not reported."""
 

@@ -1,4 +1,4 @@
-"""The private TF / Keras APIs the README lists: each import and its behaviour, so an upgrade
+"""The private TF / Keras APIs docs/private-apis.md lists: each import and its behaviour, so an upgrade
 that moves or changes one fails here, by name, rather than somewhere deep in a pipeline."""
 
 import pytest

@@ -162,16 +162,19 @@ def test_plan_ranks_configurations_and_names_a_bad_device(tmp_path):
     assert bad.returncode != 0 and "did you mean 'v100-16gb'" in bad.stderr
 
 
-def test_readme_results_are_the_tools_output():
-    """Every results table of the README is results_table.py's rendering of a committed JSON
-    file a tool wrote (`python tools/results_table.py --readme` regenerates them all): no figure
-    typed by hand, and a stale block fails here."""
+def test_docs_results_are_the_tools_output():
+    """Every results table of the README and the guides is results_table.py's rendering of a
+    committed JSON file a tool wrote (`python tools/results_table.py --write` regenerates them
+    all): no figure typed by hand, and a stale block fails here."""
     import results_table
 
-    with open(results_table.README, encoding='utf-8') as f:
-        text = f.read()
-    blocks = [m['files'] for m in results_table.BLOCK.finditer(text)]
-    assert results_table.stale_blocks(text) == []
+    texts = {}
+    for path in results_table.doc_files():
+        with open(path, encoding='utf-8') as f:
+            texts[path] = f.read()
+    blocks = [m['files'] for text in texts.values() for m in results_table.BLOCK.finditer(text)]
+    for path, text in texts.items():
+        assert results_table.stale_blocks(text) == [], path
     for name in (
         'peak_memory',
         'schedules',
@@ -185,23 +188,29 @@ def test_readme_results_are_the_tools_output():
         'overheads',
         'max_model_size_transformer',
         'fault_drill',
+        'startup',
+        'demos',
     ):
         assert any(f'docs/results/{name}.json' in b.split() for b in blocks), name
     # A stale block is caught: change one figure of the rendered text.
+    text = next(t for t in texts.values() if '| 2446 | 1.38 |' in t)
     changed = text.replace('| 2446 | 1.38 |', '| 2446 | 1.39 |', 1)
     assert changed != text and results_table.stale_blocks(changed)
 
 
-def test_results_table_leaves_the_readme_whole_when_a_file_is_missing(tmp_path, monkeypatch):
+def test_results_table_leaves_every_page_whole_when_a_file_is_missing(tmp_path, monkeypatch):
     import results_table
 
-    readme = tmp_path / 'README.md'
+    good = tmp_path / 'README.md'
+    good.write_text('<!-- results: docs/results/fault_drill.json -->\nold\n<!-- /results -->\n')
+    page = tmp_path / 'page.md'
     text = 'intro\n<!-- results: docs/results/no_such_file.json -->\nold\n<!-- /results -->\n'
-    readme.write_text(text)
-    monkeypatch.setattr(results_table, 'README', str(readme))
+    page.write_text(text)
+    monkeypatch.setattr(results_table, 'doc_files', lambda: [str(good), str(page)])
+    before = good.read_text()
     with pytest.raises(FileNotFoundError, match='no_such_file.json'):
-        results_table.main(['--readme'])
-    assert readme.read_text() == text
+        results_table.main(['--write'])
+    assert page.read_text() == text and good.read_text() == before
 
 
 def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):

@@ -67,5 +67,5 @@ def warning(address, what='this TF server'):
     return (
         f'SECURITY: {what} (port {port}) is reachable beyond loopback at {where}: TF binds '
         'every interface and its runtime has no authentication, so anyone who can reach it '
-        "can run ops as this user. Firewall the port to the cluster's hosts (README: Security)."
+        "can run ops as this user. Firewall the port to the cluster's hosts (docs/reliability.md, Security)."
     )

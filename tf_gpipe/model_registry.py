@@ -54,7 +54,7 @@ def RegisterSingleTaskModel(cls):
 def _source(cls):
     try:
         return os.path.abspath(inspect.getsourcefile(cls) or cls.__module__)
-    except TypeError:  # defined interactively
+    except (TypeError, OSError):  # defined interactively (a notebook, python -c, exec)
         return cls.__module__
 
 

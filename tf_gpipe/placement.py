@@ -7,7 +7,7 @@ device — on a TF cluster the client — and every step would ship gradients an
 `apply_gradients` applies with each variable's update, weight decay and gradient clipping on
 that variable's device. It leaves the optimizer as it found it: the hooks that place the work
 are on the instance only while it applies (no public Keras API places per-variable work; see
-the README's private-API table), and each calls Keras's own method, so the numbers are Keras's.
+the private-API table in docs/private-apis.md), and each calls Keras's own method, so the numbers are Keras's.
 """
 
 import contextlib

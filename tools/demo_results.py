@@ -1,4 +1,4 @@
-"""The demos' figures, measured: the README's quick-start numbers come from this tool's file.
+"""The demos' figures, measured: the demo table in docs/getting-started.md come from this tool's file.
 
     python tools/demo_results.py      # writes docs/results/demos.json (about 2 minutes)
 

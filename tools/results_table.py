@@ -1,6 +1,7 @@
-"""The README's markdown tables, printed from the JSON files the measuring tools wrote.
+"""The docs' markdown tables, printed from the JSON files the measuring tools wrote.
 
-    python tools/results_table.py --readme        # rewrite every results block of README.md
+    python tools/results_table.py --write         # rewrite every results block of the README
+                                                  # and docs/*.md (--readme: the old name)
     python tools/results_table.py --check         # exit 1 naming the blocks that are stale
     python tools/results_table.py docs/results/peak_memory.json
     python tools/results_table.py docs/results/schedules.json
@@ -20,7 +21,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, 'README.md')
-# A results block of the README: the table of the JSON files named in its opening marker.
+# A results block of a page: the table of the JSON files named in its opening marker.
 BLOCK = re.compile(r'(<!-- results: (?P<files>[^>]+?) -->\n)(?P<body>.*?)(<!-- /results -->)', re.S)
 
 
@@ -416,7 +417,7 @@ def _table(paths):
 def _files(spec):
     paths = [p for pattern in spec.split() for p in sorted(glob.glob(os.path.join(ROOT, pattern)))]
     if not paths:
-        raise FileNotFoundError(f'A README results block names {spec!r}: no such file.')
+        raise FileNotFoundError(f'A results block names {spec!r}: no such file.')
     return paths
 
 
@@ -436,23 +437,38 @@ def stale_blocks(text):
     return [m['files'] for m in BLOCK.finditer(text) if fresh[m['files']] != m['body']]
 
 
+def doc_files():
+    """The pages that may hold results blocks: the README and the guides under docs/."""
+    return [README] + sorted(glob.glob(os.path.join(ROOT, 'docs', '*.md')))
+
+
 def main(args):
     if not args:
         sys.exit(__doc__)
-    if args[0] in ('--readme', '--check'):
-        with open(README, encoding='utf-8') as f:
-            text = f.read()
+    if args[0] in ('--write', '--readme', '--check'):
+        texts = {}
+        for path in doc_files():
+            with open(path, encoding='utf-8') as f:
+                texts[path] = f.read()
+        blocks = sum(len(BLOCK.findall(text)) for text in texts.values())
         if args[0] == '--check':
-            stale = stale_blocks(text)
+            stale = [
+                f'{os.path.relpath(path, ROOT)}: {files}'
+                for path, text in texts.items()
+                for files in stale_blocks(text)
+            ]
             if stale:
-                sys.exit(f'README results blocks differ from their files: {", ".join(stale)}. '
-                         'Run python tools/results_table.py --readme.')  # fmt: skip
-            print(f'{len(BLOCK.findall(text))} results blocks match their files.')
+                sys.exit(f'Results blocks differ from their files: {", ".join(stale)}. '
+                         'Run python tools/results_table.py --write.')  # fmt: skip
+            print(f'{blocks} results blocks match their files.')
             return
-        rendered = render(text)  # before opening for writing: a missing file leaves it whole
-        with open(README, 'w', encoding='utf-8') as f:
-            f.write(rendered)
-        print(f'{len(BLOCK.findall(text))} results blocks rewritten.')
+        # Every page rendered before any is opened for writing: a missing file leaves all whole.
+        rendered = {path: render(text) for path, text in texts.items()}
+        for path, text in rendered.items():
+            if text != texts[path]:
+                with open(path, 'w', encoding='utf-8') as f:
+                    f.write(text)
+        print(f'{blocks} results blocks rewritten.')
         return
     print('\n'.join(table(args)))
 
