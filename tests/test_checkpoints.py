@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_gpipe import cluster, hyperparams, model_registry
+from tf_gpipe import hyperparams, model_registry
+from tf_gpipe.runtime import cluster
 from tf_gpipe.trainer import checkpoints, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_gpipe import cluster
+from tf_gpipe.runtime import cluster
 
 
 def test_logical_cpus_is_idempotent_and_refuses_a_different_count():
@@ -109,7 +109,7 @@ def test_tpu_mesh_maps_stage_k_to_logical_core_k_of_every_replica():
     """The TPUStrategy path as far as a CPU goes: replica r's stage k is logical core k (the
     core TPUStrategy's experimental_logical_device(k) names in every replica); a K=2 replica
     takes both cores of one chip (the stage boundary on the chip's own link)."""
-    from tf_gpipe import distribute
+    from tf_gpipe.runtime import distribute
 
     topology = _topology()
     da = cluster.tpu_device_assignment(2, topology=topology)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tf_gpipe import cluster_spec, local_cluster
+from tf_gpipe.runtime import cluster_spec, local_cluster
 
 
 def test_parse():

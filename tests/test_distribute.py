@@ -10,8 +10,9 @@ import pytest
 import tensorflow as tf
 
 from tests.test_ownership import _tied_lm
-from tf_gpipe import cluster, distribute, fprop_context, gpipe, layers
+from tf_gpipe import fprop_context, gpipe, layers
 from tf_gpipe.keras import GPipe
+from tf_gpipe.runtime import cluster, distribute
 
 
 @pytest.fixture(scope='module')
@@ -327,7 +328,7 @@ def test_two_worker_processes_under_multi_worker_mirrored_strategy(tmp_path):
     import time
 
     from tests.test_checkpoints import _params, _weights
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
     from tf_gpipe.trainer import trainer
 
     light = (

@@ -235,7 +235,7 @@ def test_cluster_client_example_trains_on_two_tf_workers():
     """The client program of the guide, as written, against two TF worker processes on
     loopback named by TF_CONFIG (the client in its own process: connecting to a cluster
     changes TF's context for good)."""
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
 
     with local_cluster.LocalCluster(2) as workers:
         config = {'cluster': workers.spec, 'task': {'type': 'client', 'index': 0}}
@@ -302,7 +302,7 @@ def test_shell_blocks_name_targets_tools_and_flags_that_exist():
             assert set(words[1:]) <= targets, f'{page}: no make target {words[1:]}'
         else:
             if words[:2] == ['python', '-m']:
-                assert words[2] == 'tf_gpipe.worker', f'{page}: {words}'
+                assert words[2] == 'tf_gpipe.runtime.worker', f'{page}: {words}'
                 continue
             tool = tools.get(words[0]) or re.fullmatch(r'tools/(\w+)\.py', words[1]).group(1)
             flags = {w[2:].split('=')[0] for w in words if w.startswith('--')}

@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 
-from tf_gpipe import cluster_spec, exposure
-from tf_gpipe.local_cluster import free_ports
+from tf_gpipe.runtime import cluster_spec, exposure
+from tf_gpipe.runtime.local_cluster import free_ports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,7 +37,7 @@ def test_a_loopback_tf_worker_is_reachable_beyond_loopback_and_warns():
         ),
     )
     worker = subprocess.Popen(
-        [sys.executable, '-m', 'tf_gpipe.worker'],
+        [sys.executable, '-m', 'tf_gpipe.runtime.worker'],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

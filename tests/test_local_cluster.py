@@ -15,7 +15,8 @@ _SCRIPT = r"""
 import json, os, sys, threading, time
 import numpy as np
 import tensorflow as tf
-from tf_gpipe import cluster_spec, gpipe, layers, local_cluster, placement
+from tf_gpipe import gpipe, layers
+from tf_gpipe.runtime import cluster_spec, local_cluster, placement
 
 report = {}
 with local_cluster.LocalCluster(2) as cluster:
@@ -115,7 +116,7 @@ def test_pipeline_across_worker_processes():
 _MEMORY_SCRIPT = r"""
 import json
 import tensorflow as tf
-from tf_gpipe import local_cluster
+from tf_gpipe.runtime import local_cluster
 from tf_gpipe.planning import measure
 
 env = dict(TF_CPU_ALLOCATOR_USE_BFC='true', TF_GPIPE_MEMORY_REPORT='1')

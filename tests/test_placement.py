@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tests.placement_testing import ASSIGNS, misplaced_updates
-from tf_gpipe import placement
+from tf_gpipe.runtime import placement
 
 
 @pytest.mark.parametrize(

@@ -85,7 +85,7 @@ def test_mirrored_strategy_takes_copy_devices_from_colocate_with():
 
     from tensorflow.python.distribute import mirrored_strategy
 
-    from tf_gpipe import cluster, distribute
+    from tf_gpipe.runtime import cluster, distribute
 
     source = inspect.getsource(mirrored_strategy.MirroredExtended._create_variable)
     assert 'colocate_with._devices' in source

@@ -166,7 +166,7 @@ def test_missing_worker_is_named_after_a_bounded_wait_and_ctrl_c_works(tmp_path)
     import signal
     import time
 
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
 
     ports = local_cluster.free_ports(2)
     spec = f'--cluster_spec=worker=127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}'
@@ -198,7 +198,7 @@ def test_train_on_worker_processes_with_cluster_spec_and_tf_config(tmp_path):
     """Stage k on TF worker k (loopback): --cluster_spec for training, TF_CONFIG for eval."""
     import json
 
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
 
     logdir = str(tmp_path / 'lm')
     two = 'task.pipeline.num_partitions=2; task.pipeline.num_micro_batches=2'

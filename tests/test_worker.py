@@ -1,4 +1,4 @@
-"""A worker from TF_CONFIG (`python -m tf_gpipe.worker`) or flags (`tools/worker.py`) serves its
+"""A worker from TF_CONFIG (`python -m tf_gpipe.runtime.worker`) or flags (`tools/worker.py`) serves its
 task of the cluster; a task index outside the job is refused."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tf_gpipe import cluster_spec, local_cluster
+from tf_gpipe.runtime import cluster_spec, local_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +26,7 @@ def test_worker_serves_its_task(how):
     spec = {'worker': [f'127.0.0.1:{p}' for p in ports]}
     if how == 'module':
         config = {'cluster': spec, 'task': {'type': 'worker', 'index': 1}}
-        cmd = [sys.executable, '-m', 'tf_gpipe.worker']
+        cmd = [sys.executable, '-m', 'tf_gpipe.runtime.worker']
         env = {'TF_CONFIG': json.dumps(config)}
     else:
         cmd = [
@@ -61,7 +61,7 @@ def test_worker_refuses_a_task_outside_the_job():
     assert proc.returncode == 1
     assert "task index 2 is not in job 'worker', which has 2 task(s) (0 .. 1)" in proc.stderr
     no_cluster = subprocess.run(
-        [sys.executable, '-m', 'tf_gpipe.worker'],
+        [sys.executable, '-m', 'tf_gpipe.runtime.worker'],
         capture_output=True,
         text=True,
         timeout=120,

@@ -9,9 +9,10 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import gpipe, layers, placement
+from tf_gpipe import gpipe, layers
 from tf_gpipe.gpipe import schedules
 from tf_gpipe.layers.amoebanet import AmoebaNetLayers
+from tf_gpipe.runtime import placement
 
 # Model families: the knob grows the model (Transformer layers; AmoebaNet normal cells per stack).
 FAMILIES = {

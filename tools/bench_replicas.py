@@ -21,7 +21,7 @@ TOOLS = os.path.dirname(os.path.abspath(__file__))
 
 def _launch(job, num_replicas, timeout):
     """Median step seconds of `job` run by `num_replicas` single-core processes (the chief's)."""
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
 
     addresses = [f'127.0.0.1:{p}' for p in local_cluster.free_ports(num_replicas)]
     procs = []
@@ -97,7 +97,8 @@ def _replica(job):
     sys.path.insert(0, TOOLS)
     from bench_common import family_layers, seconds
 
-    from tf_gpipe import cluster, gpipe, placement
+    from tf_gpipe import gpipe
+    from tf_gpipe.runtime import cluster, placement
 
     replicas = job['replicas']
     strategy = None

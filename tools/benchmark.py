@@ -146,7 +146,7 @@ def overheads(family, device, m, steps):
 
 def _measure_here(family, micro, with_overheads):
     """(throughput rows, overhead rows) measured with workers started by this process."""
-    from tf_gpipe import local_cluster
+    from tf_gpipe.runtime import local_cluster
 
     k_max = STAGES.value
     with local_cluster.LocalCluster(k_max, cores=list(range(k_max))) as cluster:

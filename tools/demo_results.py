@@ -107,7 +107,7 @@ def decode_speed(t, key):
 
 def main(argv):
     del argv
-    from tf_gpipe import cluster
+    from tf_gpipe.runtime import cluster
 
     cluster.logical_cpus(4)
     from bench_common import run_metadata, write_json

@@ -49,7 +49,7 @@ def _trial(setting, knob):
     import tensorflow as tf
     from bench_common import batch_input, build, family_layers, train_step
 
-    from tf_gpipe import local_cluster, memory, placement
+    from tf_gpipe.runtime import local_cluster, memory, placement
 
     sub, shape = family_layers(FAMILY.value, knob)
     cluster, devices = None, ['/device:CPU:0']

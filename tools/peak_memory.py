@@ -20,8 +20,9 @@ os.environ.setdefault('TF_CPU_ALLOCATOR_USE_BFC', 'true')
 import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from tf_gpipe import gpipe, layers, memory  # noqa: E402
+from tf_gpipe import gpipe, layers  # noqa: E402
 from tf_gpipe.gpipe import schedules  # noqa: E402
+from tf_gpipe.runtime import memory  # noqa: E402
 
 LAYERS = flags.DEFINE_integer('layers', 32, 'FC layers in the stack.')
 WIDTH = flags.DEFINE_integer('width', 256, 'Width of every layer.')

@@ -46,7 +46,7 @@ def _device(name):
         memory = MEMORY_MB.value * (1 << 20) if MEMORY_MB.value else None
         link = (None, None)
         if NUM_DEVICES.value > 1:
-            from tf_gpipe import local_cluster
+            from tf_gpipe.runtime import local_cluster
 
             with local_cluster.LocalCluster(2, cores=[0, 1]) as cluster:
                 cluster.connect()

@@ -60,8 +60,8 @@ def _env():
 
 
 def _measure_link():
-    from tf_gpipe import local_cluster
     from tf_gpipe.planning import measure
+    from tf_gpipe.runtime import local_cluster
 
     with local_cluster.LocalCluster(2, cores=[0, 1]) as cluster:
         cluster.connect()
@@ -89,7 +89,7 @@ def _step(model, shape, batch, device):
     import tensorflow as tf
     from bench_common import batch_input
 
-    from tf_gpipe import placement
+    from tf_gpipe.runtime import placement
 
     variables = model.trainable_variables
     optimizer = placement.build_optimizer(tf.keras.optimizers.Adam(1e-4), variables)
@@ -135,8 +135,8 @@ def _run_child(config, link):
     from bench_common import build, family_layers
     from bench_common import seconds as seconds_of
 
-    from tf_gpipe import local_cluster
     from tf_gpipe.planning import measure
+    from tf_gpipe.runtime import local_cluster
 
     family, knob, batch, k, m, schedule, recompute = _parse(config)
     sub, shape = family_layers(family, knob)

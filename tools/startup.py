@@ -92,7 +92,7 @@ def _steady_rounds(measured):
 
 def _child(spec):
     k, num_layers, m = (int(v) for v in spec.split(','))
-    from tf_gpipe import cluster
+    from tf_gpipe.runtime import cluster
 
     cluster.logical_cpus(k)
     import tensorflow as tf

@@ -52,9 +52,9 @@ def measure(
     """(events [(phase, stage, micro_batch, start_s, end_s)], step span s) of a real step."""
     from bench_common import batch_input, build, family_layers, train_step
 
-    from tf_gpipe import cluster as cluster_lib
-    from tf_gpipe import local_cluster
     from tf_gpipe.gpipe import trace
+    from tf_gpipe.runtime import cluster as cluster_lib
+    from tf_gpipe.runtime import local_cluster
 
     workers = None
     if local:

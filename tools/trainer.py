@@ -23,7 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, ROOT)
 
-from tf_gpipe import cluster, cluster_spec, exposure, hyperparams, model_registry  # noqa: E402
+from tf_gpipe import hyperparams, model_registry  # noqa: E402
+from tf_gpipe.runtime import cluster, cluster_spec, exposure  # noqa: E402
 
 MODES = (
     'train',
@@ -155,7 +156,7 @@ def _connect():
         return None, None
     spec = dict(spec)
     if 'client' not in spec:  # this process joins as the client, on a free local port
-        from tf_gpipe import local_cluster
+        from tf_gpipe.runtime import local_cluster
 
         spec['client'] = [f'127.0.0.1:{local_cluster.free_ports(1)[0]}']
     servers = [j for j in spec if j != 'client']

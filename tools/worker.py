@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if os.path.isdir(os.path.join(ROOT, 'tf_gpipe')) and ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # run from a checkout without installing
 
-from tf_gpipe import cluster_spec  # noqa: E402
+from tf_gpipe.runtime import cluster_spec  # noqa: E402
 
 CLUSTER_SPEC = flags.DEFINE_string(
     'cluster_spec', None, f"'{cluster_spec.EXAMPLE}' (default: TF_CONFIG's cluster)."
@@ -28,7 +28,7 @@ TASK = flags.DEFINE_integer('task_index', None, "This task's index (default: TF_
 
 def main(argv):
     del argv
-    from tf_gpipe import worker
+    from tf_gpipe.runtime import worker
 
     try:
         spec, task = cluster_spec.from_tf_config()

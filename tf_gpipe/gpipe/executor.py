@@ -26,9 +26,9 @@ never cover more than one micro-batch at a time beyond the boundaries.
 
 import tensorflow as tf
 
-from tf_gpipe import distribute
 from tf_gpipe.gpipe import schedules, trace
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
+from tf_gpipe.runtime import distribute
 
 try:  # Pauses every active tape (public equivalent: none for all tapes at once).
     from tensorflow.python.eager.record import stop_recording as _stop_recording

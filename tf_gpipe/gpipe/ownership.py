@@ -11,7 +11,7 @@ dense sum, as in TF.
 
 import tensorflow as tf
 
-from tf_gpipe import distribute
+from tf_gpipe.runtime import distribute
 
 
 class GradientSums:

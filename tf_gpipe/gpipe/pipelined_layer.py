@@ -22,7 +22,7 @@ import types
 import tensorflow as tf
 from absl import logging
 
-from tf_gpipe import base_layer, cluster, distribute, fprop_context
+from tf_gpipe import base_layer, fprop_context
 from tf_gpipe.gpipe import (
     executor,
     microbatch,
@@ -36,6 +36,7 @@ from tf_gpipe.gpipe import (
 from tf_gpipe.gpipe.recompute import CellRunner
 from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
 from tf_gpipe.layers.softmax import tie_embeddings
+from tf_gpipe.runtime import cluster, distribute
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 

@@ -28,8 +28,9 @@ function returns (outputs, weighted loss, weight) and its backward starts from d
 
 import tensorflow as tf
 
-from tf_gpipe import distribute, fprop_context
+from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import split_functions, weight_gradients
+from tf_gpipe.runtime import distribute
 
 # Keeps Grappler's function optimizer from inlining the calls (inlining would let common
 # subexpression elimination fold a recompute into its forward, and the executor run it early).

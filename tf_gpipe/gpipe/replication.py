@@ -9,9 +9,9 @@ draws, so results do not depend on R.
 
 import tensorflow as tf
 
-from tf_gpipe import distribute
 from tf_gpipe.gpipe import microbatch, ownership
 from tf_gpipe.layers.normalization import BatchNormLayer
+from tf_gpipe.runtime import distribute
 
 
 def shard(structure, num_replicas, num_micro_batches, batch_dim, first_devices):

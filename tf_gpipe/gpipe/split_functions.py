@@ -20,8 +20,8 @@ reads: only then does the order of its stateful ops matter. Writes nobody reads 
 
 import tensorflow as tf
 
-from tf_gpipe import distribute
 from tf_gpipe.gpipe import weight_gradients
+from tf_gpipe.runtime import distribute
 
 _NOINLINE = {'_noinline': True}
 

@@ -32,9 +32,9 @@ unrolled executor then).
 
 import tensorflow as tf
 
-from tf_gpipe import distribute
 from tf_gpipe.gpipe import executor, schedules, trace
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
+from tf_gpipe.runtime import distribute
 
 _IDLE = 'idle'
 # Ticks between an action on one device and the first tick another device may use its result:

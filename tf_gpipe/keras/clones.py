@@ -14,8 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import placement
 from tf_gpipe.layers import keras_layer, keras_state
+from tf_gpipe.runtime import placement
 
 _PLAIN = (bool, int, float, str, type(None), np.generic)
 _MISSING = object()

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import fprop_context, placement
+from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
 from tf_gpipe.keras import checks, functional
@@ -26,6 +26,7 @@ from tf_gpipe.layers import keras_masks
 from tf_gpipe.layers.keras_layer import KerasLayer, layer_config, make_layer
 from tf_gpipe.layers.keras_node import KerasNodeLayer
 from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.runtime import placement
 
 try:  # True while Keras traces a model on placeholders only to learn its output spec.
     from keras.src.backend.common.symbolic_scope import in_symbolic_scope
@@ -634,7 +635,7 @@ def _splits(layers, num_partitions, balance, devices):
         if devices is not None:
             num_partitions = len(devices)
         else:
-            from tf_gpipe import cluster
+            from tf_gpipe.runtime import cluster
 
             num_partitions = cluster.current_mesh().num_stages
     return num_partitions, None  # K is checked against the layers by the PipelinedLayer

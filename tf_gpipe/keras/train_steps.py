@@ -14,8 +14,9 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe import distribute, fprop_context, placement
+from tf_gpipe import fprop_context
 from tf_gpipe.keras import micro_loss
+from tf_gpipe.runtime import distribute, placement
 
 
 def backing(variable):

@@ -5,8 +5,9 @@ import math
 import keras
 import tensorflow as tf
 
-from tf_gpipe import distribute, hyperparams, placement
+from tf_gpipe import hyperparams
 from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.runtime import distribute, placement
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam', 'rmsprop')
 SCHEDULES = ('constant', 'warmup_rsqrt', 'cosine')

@@ -12,9 +12,10 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf_gpipe import distribute, fprop_context, hyperparams, placement
+from tf_gpipe import fprop_context, hyperparams
 from tf_gpipe.gpipe import PipelinedLayer, partition, replication
 from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.runtime import distribute, placement
 from tf_gpipe.trainer import checkpoints, checks, logdir_lock, pipeline_summaries
 
 NONFINITE_POLICIES = ('stop', 'skip')

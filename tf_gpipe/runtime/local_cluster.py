@@ -17,7 +17,7 @@ import time
 import tensorflow as tf
 from absl import logging
 
-from tf_gpipe import exposure
+from tf_gpipe.runtime import exposure
 
 
 def free_ports(n):
@@ -69,7 +69,7 @@ class LocalCluster:
     def start(self):
         env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', **self._env}
         for i in range(self.num_workers):
-            cmd = [sys.executable, '-m', 'tf_gpipe.worker']
+            cmd = [sys.executable, '-m', 'tf_gpipe.runtime.worker']
             task = {'type': self.job_name, 'index': i}
             worker_env = dict(env, TF_CONFIG=json.dumps({'cluster': self.spec, 'task': task}))
             # tf_gpipe importable in the worker even when it is not installed (a checkout).

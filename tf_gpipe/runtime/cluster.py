@@ -127,7 +127,7 @@ class DeviceMesh:
     def strategy(self):
         """The mesh's tf.distribute strategy (made once): replicas are its rows; pipelines built
         inside its scope put cell k of replica r on [r][k] (see distribute.py)."""
-        from tf_gpipe import distribute
+        from tf_gpipe.runtime import distribute
 
         return distribute.strategy_for(self)
 

@@ -137,7 +137,7 @@ def wait_for(spec, timeout, jobs=None, log=None, poll=0.5):
                 f'{len(missing)} task(s) did not answer within {timeout:g} s: '
                 f'{describe(missing)}. Start each with `tf_gpipe_worker '
                 f"--cluster_spec='<the same spec>' --task_index=<i>` (or `python -m "
-                'tf_gpipe.worker` with TF_CONFIG), or raise --connect_timeout.'
+                'tf_gpipe.runtime.worker` with TF_CONFIG), or raise --connect_timeout.'
             )
         if log is not None and missing != said:
             log(f'Waiting for {describe(missing)} (up to {timeout:g} s) ...')
