@@ -1,5 +1,5 @@
 """GPipe(functional keras.Model): the graph read as a sequence of calls carrying the live
-tensors (tf_gpipe/keras/functional.py, layers/keras_node.py), cut anywhere, exact."""
+tensors (tf_gpipe/keras/functional.py, keras/node.py), cut anywhere, exact."""
 
 import keras
 import numpy as np

@@ -165,7 +165,7 @@ class BaseLayer(tf.Module):
                 f'{type(self).__name__}.Params().name is empty; every layer needs a name '
                 "(e.g. .Set(name='fc'))."
             )
-        super().__init__(name=_module_name(params.name))
+        super().__init__(name=module_name(params.name))
         stack = getattr(_building, 'stack', [])
         parent = stack[-1] if stack else None
         self._params = params.Copy().Freeze()
@@ -274,7 +274,7 @@ class BaseLayer(tf.Module):
         with tf.init_scope():
             value = initial_value(init, shape, dtype, seed)
             var = tf.Variable(
-                value, name=f'{_module_name(self._seed_name)}/{name}', trainable=trainable, **kwargs
+                value, name=f'{module_name(self._seed_name)}/{name}', trainable=trainable, **kwargs
             )
         self._vars[name] = var
         return var
@@ -308,6 +308,17 @@ class BaseLayer(tf.Module):
         sequence can feed them to the next layer's FPropMeta.
         """
         raise NotImplementedError(f'{cls.__name__} does not implement FPropMeta.')
+
+    def LinkTo(self, layers_by_name):
+        """Called by the container that holds this layer (a sequence, a pipeline) with every
+        layer it holds by name path, after all are built: a layer that reads another's weights
+        (a softmax tied to an embedding) finds it here. Default: nothing to link."""
+
+    def ReplicaSums(self):
+        """The variables holding sums of this step's batches (batch-norm statistics) that the
+        replicas of a data-parallel pipeline pool before `PostTrainingStepUpdate`. Default:
+        none."""
+        return []
 
     def PostTrainingStepUpdate(self):
         """Once per training step, after the gradient update (e.g. batch-norm moving stats)."""
@@ -367,7 +378,16 @@ def _flatten_children(children):
             yield from value
 
 
-def _module_name(name):
+def link_layers(layers):
+    """Lets each of `layers` find the others it reads (`LinkTo`), by name path."""
+    by_name = {x.seed_name: x for x in layers}
+    for x in layers:
+        x.LinkTo(by_name)
+
+
+def module_name(name):
+    """`name` as a tf.Module / variable name: characters other than letters, digits and '_'
+    become '_', and a leading digit gets an 'l_'."""
     cleaned = ''.join(c if c.isalnum() or c == '_' else '_' for c in name)
     return cleaned if cleaned and not cleaned[0].isdigit() else f'l_{cleaned}'
 

@@ -496,6 +496,15 @@ def _ours(module_name):
     return module_name == 'tf_gpipe' or module_name.startswith(('tf_gpipe.', 'tf_gpipe_params.'))
 
 
+# Modules that moved, by their old names: a params text written before (a logdir's params.txt)
+# still names their classes.
+MOVED_MODULES = {
+    'tf_gpipe.layers.sequential': 'tf_gpipe.sequential',
+    'tf_gpipe.layers.keras_layer': 'tf_gpipe.keras.layer',
+    'tf_gpipe.layers.keras_node': 'tf_gpipe.keras.node',
+}
+
+
 def _import_type(module_name, qualname, path):
     """The class `type/<module>/<qualname>` names. Params text is data (an override, a logdir's
     params.txt): it may name a class of tf_gpipe, of a registered params file, or a subclass of
@@ -509,6 +518,7 @@ def _import_type(module_name, qualname, path):
     )
     if not _ours(module_name) and module_name not in sys.modules:
         raise refused
+    module_name = MOVED_MODULES.get(module_name, module_name)
     try:
         obj = (
             importlib.import_module(module_name)

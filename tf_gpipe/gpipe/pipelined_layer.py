@@ -34,9 +34,8 @@ from tf_gpipe.gpipe import (
     tick_loop,
 )
 from tf_gpipe.gpipe.recompute import CellRunner
-from tf_gpipe.layers.sequential import SequentialLayer, chain_meta
-from tf_gpipe.layers.softmax import tie_embeddings
 from tf_gpipe.runtime import cluster, distribute
+from tf_gpipe.sequential import SequentialLayer, chain_meta
 
 RECOMPUTE_POLICIES = ('always', 'except_last', 'never')
 
@@ -97,7 +96,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         base_layer.check_positive(p, 'num_micro_batches')
         base_layer.check_positive(p, 'num_replicas')
         base_layer.check_positive(p, 'virtual_stages')
-        cell_params, self._splits, self._sub = self._CellParams(p)
+        cell_params, self._splits, self._sub = self.CellParams(p)
         if len(cell_params) % p.virtual_stages:
             raise ValueError(
                 f'{p.name}: {len(cell_params)} cells cannot be dealt to devices '
@@ -131,7 +130,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                     cells.append(self.CreateChild(name, cp))
             self._replica_cells.append(cells)
             # A softmax in the last cell may read the embedding of the first (tied weights).
-            tie_embeddings([layer for c in cells for layer in c.AllLayers()])
+            base_layer.link_layers([layer for c in cells for layer in c.AllLayers()])
         for r, row in enumerate(self._replica_devices):
             cells = self._replica_cells[min(r, copies - 1)]
             self._runners.append(
@@ -212,8 +211,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         return [cluster.check_device_names(row) for row in rows]
 
     @staticmethod
-    def _CellParams(p):
-        """(cell params, splits or None, flat sub or None)."""
+    def CellParams(p):
+        """The partition params `p` asks for, nothing built: (each cell's params, the end
+        index of each cell in `sub` or None, the flat `sub` or None when `cell_tpl` gives the
+        cells). The trainer's inspect_model and FPropMeta read it."""
         if (p.cell_tpl is None) == (p.sub is None):
             raise ValueError(
                 f'{p.name}: set exactly one of cell_tpl (a list of cell params) and '
@@ -611,7 +612,7 @@ class PipelinedLayer(base_layer.BaseLayer):
 
     @classmethod
     def FPropMeta(cls, p, *input_shapes):
-        cells, _, _ = cls._CellParams(p)
+        cells, _, _ = cls.CellParams(p)
         return chain_meta(cells, input_shapes)
 
 

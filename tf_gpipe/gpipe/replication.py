@@ -10,7 +10,6 @@ draws, so results do not depend on R.
 import tensorflow as tf
 
 from tf_gpipe.gpipe import microbatch, ownership
-from tf_gpipe.layers.normalization import BatchNormLayer
 from tf_gpipe.runtime import distribute
 
 
@@ -83,8 +82,7 @@ def pool_batch_norm_sums(replica_cells):
         return
     groups = zip(*[[layer for c in cells for layer in c.AllLayers()] for cells in replica_cells])
     for group in groups:
-        if isinstance(group[0], BatchNormLayer):
-            for name in ('acc_count', 'acc_sum', 'acc_sum_sq'):
-                total = tf.add_n([layer.vars[name].read_value() for layer in group])
-                for layer in group:
-                    layer.vars[name].assign(total)
+        for copies in zip(*[layer.ReplicaSums() for layer in group]):
+            total = tf.add_n([v.read_value() for v in copies])
+            for v in copies:
+                v.assign(total)

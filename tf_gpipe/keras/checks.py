@@ -7,7 +7,7 @@ cell, once per micro-batch and recompute, and could not reach fit() as the plain
 import keras
 import numpy as np
 
-from tf_gpipe.layers import keras_state
+from tf_gpipe.keras import state as keras_state
 
 _FIX = (
     'Return the quantity as a model output and give it a loss in compile(), or use a weight '

@@ -14,7 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_gpipe.layers import keras_layer, keras_state
+from tf_gpipe.keras import layer as keras_layer
+from tf_gpipe.keras import state as keras_state
 from tf_gpipe.runtime import placement
 
 _PLAIN = (bool, int, float, str, type(None), np.generic)

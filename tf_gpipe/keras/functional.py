@@ -16,7 +16,7 @@ import dataclasses
 import keras
 import numpy as np
 
-from tf_gpipe.layers.keras_node import Const, map_leaves, tensor_keys
+from tf_gpipe.keras.node import Const, map_leaves, tensor_keys
 
 
 @dataclasses.dataclass

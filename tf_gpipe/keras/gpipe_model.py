@@ -21,10 +21,10 @@ from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
 from tf_gpipe.keras import checks, functional
 from tf_gpipe.keras import clones as keras_clones
+from tf_gpipe.keras import masks as keras_masks
+from tf_gpipe.keras.layer import KerasLayer, layer_config, make_layer
+from tf_gpipe.keras.node import KerasNodeLayer
 from tf_gpipe.keras.train_steps import TrainSteps
-from tf_gpipe.layers import keras_masks
-from tf_gpipe.layers.keras_layer import KerasLayer, layer_config, make_layer
-from tf_gpipe.layers.keras_node import KerasNodeLayer
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import placement
 

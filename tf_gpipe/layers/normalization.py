@@ -70,6 +70,9 @@ class BatchNormLayer(base_layer.BaseLayer):
         """(mean, variance) of everything accumulated since the last update."""
         return step_statistics(self.vars.moving_mean, self._Accumulators())
 
+    def ReplicaSums(self):
+        return list(self._Accumulators())
+
     def PostTrainingStepUpdate(self):
         v = self.vars
         mean, variance = moved_averages(

@@ -6,17 +6,6 @@ from tf_gpipe import base_layer
 from tf_gpipe.nested_map import NestedMap
 
 
-def tie_embeddings(layers):
-    """Links every SoftmaxLayer among `layers` with `tied_embedding` set to the EmbeddingLayer
-    of that name path among them (the containers call it on their layers)."""
-    from tf_gpipe.layers.embedding import EmbeddingLayer
-
-    embeddings = {x.seed_name: x for x in layers if isinstance(x, EmbeddingLayer)}
-    for x in layers:
-        if isinstance(x, SoftmaxLayer) and x.params.tied_embedding in embeddings:
-            x.TieTo(embeddings[x.params.tied_embedding])
-
-
 class SoftmaxLayer(base_layer.BaseLayer):
     """FProp gives logits [..., num_classes]; XentLoss turns logits and labels into a loss."""
 
@@ -49,6 +38,14 @@ class SoftmaxLayer(base_layer.BaseLayer):
             self.CreateVariable('w', [p.input_dim, p.num_classes])
         if p.bias:
             self.CreateVariable('b', [p.num_classes], init=base_layer.WeightInit.Constant(0.0))
+
+    def LinkTo(self, layers_by_name):
+        """Ties to the embedding `tied_embedding` names, among the container's layers."""
+        from tf_gpipe.layers.embedding import EmbeddingLayer
+
+        embedding = layers_by_name.get(self.params.tied_embedding)
+        if isinstance(embedding, EmbeddingLayer):
+            self.TieTo(embedding)
 
     def TieTo(self, embedding):
         """Reads `embedding`'s matrix as this softmax's weight (transposed)."""

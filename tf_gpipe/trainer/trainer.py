@@ -476,7 +476,7 @@ def InspectModel(task_p, input_p=None):
     network_p = task_p.cls.NetworkParams(task_p).Copy()
     if input_p is not None and task_p.cls.InputShape(task_p, input_p) is not None:
         network_p.input_shape = task_p.cls.InputShape(task_p, input_p)
-    cells, splits, sub = PipelinedLayer._CellParams(network_p)
+    cells, splits, sub = PipelinedLayer.CellParams(network_p)
     if sub is None:
         sub, splits = [c for c in cells], list(range(1, len(cells) + 1))
     metas = partition.layer_metas(sub, network_p.input_shape)

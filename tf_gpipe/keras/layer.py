@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import base_layer, fprop_context
-from tf_gpipe.layers import keras_state
+from tf_gpipe.keras import state as keras_state
 
 
 def _resolve(keras_layer, name, operations=False):
@@ -133,7 +133,7 @@ class KerasLayer(base_layer.BaseLayer):
                 continue
             known.add(v.value.ref())
             base = v.path.split('/', 1)[-1].replace('/', '__') if '/' in v.path else v.name
-            base = name = base_layer._module_name(base)
+            base = name = base_layer.module_name(base)
             i = 1
             while name in self._vars:
                 name, i = f'{base}_{i}', i + 1

@@ -16,8 +16,9 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe import base_layer, fprop_context
-from tf_gpipe.layers import keras_masks, keras_state
-from tf_gpipe.layers.keras_layer import (
+from tf_gpipe.keras import masks as keras_masks
+from tf_gpipe.keras import state as keras_state
+from tf_gpipe.keras.layer import (
     KerasLayer,
     _python_random_seeded,
     _resolve,

@@ -1,7 +1,7 @@
-"""Layer containers: SequentialLayer (run sub-layers in order) and RepeatLayer."""
+"""Layer containers: SequentialLayer (run sub-layers in order) and RepeatLayer. Part of the
+framework, beside base_layer: the engine builds its cells from them."""
 
 from tf_gpipe import base_layer
-from tf_gpipe.layers import softmax
 
 
 def chain(layers, args):
@@ -53,7 +53,7 @@ class SequentialLayer(base_layer.BaseLayer):
         if not self.params.sub:
             raise ValueError(f'SequentialLayer {self.params.name!r} has no sub-layers.')
         self.CreateChildren('sub', self.params.sub)
-        softmax.tie_embeddings(self.AllLayers())
+        base_layer.link_layers(self.AllLayers())
 
     def FProp(self, *args):
         return chain(self.sub, args)

@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tf_gpipe import fprop_context, layers
-from tf_gpipe.layers import keras_state
+from tf_gpipe.keras import state as keras_state
 
 
 def _wrapped(keras_layer, config, shape):
