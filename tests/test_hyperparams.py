@@ -263,13 +263,3 @@ def test_params_text_names_only_tf_gpipe_classes_and_imports_nothing(tmp_path, m
         p.FromText('cls : type/planted/X')
     assert not (tmp_path / 'ran').exists()
     assert p.cls is _UsersLayer
-
-
-def test_a_moved_class_is_found_by_its_old_module_name():
-    """A params text written before a module moved (a logdir's params.txt) still reads."""
-    p = hyperparams.Params()
-    p.Define('layer', layers.FCLayer.Params(), '')
-    p.FromText('layer.cls : type/tf_gpipe.layers.keras_layer/KerasLayer')
-    assert p.layer.cls is layers.KerasLayer
-    p.FromText('layer.cls : type/tf_gpipe.layers.sequential/SequentialLayer')
-    assert p.layer.cls is layers.SequentialLayer

@@ -6,42 +6,19 @@ Library code: tools/trainer.py parses the flags and calls `Trainer`.
 import collections
 import os
 import signal
-import threading
 import time
 
 import tensorflow as tf
 from absl import logging
 
 from tf_gpipe import fprop_context, hyperparams
-from tf_gpipe.gpipe import PipelinedLayer, partition, replication
+from tf_gpipe.gpipe import replication
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import distribute, placement
-from tf_gpipe.trainer import checkpoints, checks, logdir_lock, pipeline_summaries
+from tf_gpipe.trainer import checkpoints, checks, logdir_lock, pipeline_summaries, stop_signals
+from tf_gpipe.trainer.inspect_model import InspectModel, OptimizerSlots  # noqa: F401 (public here too)
 
 NONFINITE_POLICIES = ('stop', 'skip')
-
-
-class _StopSignals:
-    """Within the block, SIGTERM and SIGINT only set `.signal` (main thread only)."""
-
-    def __init__(self):
-        self.signal = None
-        self._previous = {}
-
-    def _Handle(self, signum, frame):
-        del frame
-        self.signal = signum
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._Handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        return False
 
 
 def ModelParams(task_p, train_input_p, test_input_p, dev_input_p=None):
@@ -320,7 +297,7 @@ class Trainer:
             )
         traced_at = None  # when the first step ended: the ETA leaves the tracing out
         paused = 0.0  # seconds in checkpoints and evals since the last log: not steps' time
-        with _StopSignals() as stop:
+        with stop_signals.StopSignals() as stop:
             while step < tp.max_steps and not stop.signal:
                 profile = None
                 if self._TimesThisStep(step + 1):
@@ -465,61 +442,6 @@ class Trainer:
             '  '.join(f'{k} {v:.4f}' for k, v in sorted(totals.items())),
         )
         return totals
-
-
-def InspectModel(task_p, input_p=None):
-    """The partition table, parameter count and a memory estimate per cell — nothing built.
-
-    With the training input's params, activations are estimated for its real batch shape.
-    """
-    checks.CheckParams(task_p, {'input': input_p} if input_p is not None else None)
-    network_p = task_p.cls.NetworkParams(task_p).Copy()
-    if input_p is not None and task_p.cls.InputShape(task_p, input_p) is not None:
-        network_p.input_shape = task_p.cls.InputShape(task_p, input_p)
-    cells, splits, sub = PipelinedLayer.CellParams(network_p)
-    if sub is None:
-        sub, splits = [c for c in cells], list(range(1, len(cells) + 1))
-    metas = partition.layer_metas(sub, network_p.input_shape)
-    rows = [('cell', 'layers', 'params', 'param+opt MB', 'act MB/micro-batch')]
-    total = 0
-    m = network_p.num_micro_batches
-    slots = OptimizerSlots(task_p.train.learner)
-    for k, (a, b) in enumerate(partition.blocks(splits)):
-        params = sum(meta.param_count for meta in metas[a:b])
-        total += params
-        # Weights, the gradient sums and the optimizer's slots, float32.
-        param_mb = params * 4 * (2 + slots) / 2**20
-        act_mb = sum(meta.activation_bytes for meta in metas[a:b]) / max(m, 1) / 2**20
-        rows.append(
-            (
-                str(k),
-                partition.block_label(sub, a, b),
-                f'{params:,}',
-                f'{param_mb:.1f}',
-                f'{act_mb:.2f}',
-            )
-        )
-    lines = [partition.format_table(rows)]
-    shape = network_p.input_shape
-    shape = {k: tuple(v) for k, v in shape.items()} if isinstance(shape, dict) else tuple(shape)
-    lines.append(f'total parameters: {total:,}  (activation estimate for input shape {shape})')
-    lines.append(
-        f'param+opt: weights, gradient sums and {slots} {task_p.train.learner.optimizer} slot(s) '
-        'per '
-        'parameter, float32'
-    )
-    return '\n'.join(lines), total
-
-
-def OptimizerSlots(learner_p):
-    """Variables the optimizer keeps per parameter (Keras 3): adam 2, momentum 1, rmsprop 1 (2
-    with momentum), sgd 0."""
-    return {
-        'sgd': 0,
-        'momentum': 1,
-        'adam': 2,
-        'rmsprop': 1 + (learner_p.momentum > 0),
-    }[learner_p.optimizer]
 
 
 def _progress(step, first, max_steps, seconds_since_first):
