@@ -115,7 +115,7 @@ def test_inspect_checkpoint(k2_run, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -53,7 +53,7 @@ def test_a_loopback_tf_worker_is_reachable_beyond_loopback_and_warns():
         assert cluster_spec.is_tf_server(f'127.0.0.1:{port}', 30.0)
     finally:
         worker.kill()
-        _, err = worker.communicate(timeout=60)
+        _, err = worker.communicate(timeout=300)
     assert external, 'this test needs a machine with a non-loopback address'
     # The cluster spec says 127.0.0.1, TF listens everywhere: every address of the machine.
     assert reached == external, (reached, external)

@@ -152,7 +152,7 @@ def test_workers_report_their_allocator_peak_and_the_link_is_measured():
         [sys.executable, '-c', _MEMORY_SCRIPT],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
         cwd=ROOT,
     )

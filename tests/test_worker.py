@@ -55,7 +55,7 @@ def test_worker_refuses_a_task_outside_the_job():
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3'),
     )
     assert proc.returncode == 1
@@ -64,7 +64,7 @@ def test_worker_refuses_a_task_outside_the_job():
         [sys.executable, '-m', 'tf_gpipe.runtime.worker'],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={k: v for k, v in os.environ.items() if k != 'TF_CONFIG'},
     )
     assert no_cluster.returncode == 1 and 'set TF_CONFIG' in no_cluster.stderr

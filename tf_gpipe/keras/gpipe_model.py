@@ -9,21 +9,16 @@ batch — for every loss reduction, sample weights and losses that mix examples 
 example updates the metrics once.
 """
 
-import difflib
-import re
-
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import partition
 from tf_gpipe.gpipe.pipelined_layer import RECOMPUTE_POLICIES, PipelinedLayer
-from tf_gpipe.keras import checks, functional
+from tf_gpipe.keras import checks, functional, layer_sequence
 from tf_gpipe.keras import clones as keras_clones
 from tf_gpipe.keras import masks as keras_masks
 from tf_gpipe.keras.layer import KerasLayer, layer_config, make_layer
-from tf_gpipe.keras.node import KerasNodeLayer
 from tf_gpipe.keras.train_steps import TrainSteps
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import placement
@@ -95,18 +90,19 @@ class GPipeModel(TrainSteps, keras.Model):
         name=None,
         **kwargs,
     ):
-        _check_options(kwargs)
+        layer_sequence.check_options(kwargs)
         # A functional model, or a Sequential holding one (a keras.applications backbone) or
         # making Keras masks, is cut as a graph of calls (whose steps carry masks); a plain
         # Sequential as a chain of layers.
-        is_functional = _check_model(sequential) or any(
-            functional.is_graph(layer) or _makes_mask(layer) for layer in _flat_layers(sequential)
+        is_functional = layer_sequence.check_model(sequential) or any(
+            functional.is_graph(layer) or layer_sequence.makes_mask(layer)
+            for layer in layer_sequence.flat_layers(sequential)
         )
         if recompute not in RECOMPUTE_POLICIES:
             raise ValueError(f'recompute must be one of {RECOMPUTE_POLICIES}, got {recompute!r}.')
         input_names, reach = None, None
         if is_functional:
-            originals, sub, in_specs, out_spec, reach = _functional_sub(sequential)
+            originals, sub, in_specs, out_spec, reach = layer_sequence.functional_sub(sequential)
             batch_shape, dtype = in_specs[0]
             if len(in_specs) > 1:
                 if partition_by == 'time':
@@ -116,11 +112,11 @@ class GPipeModel(TrainSteps, keras.Model):
                     )
                 input_names = [t.name for t in sequential.inputs]
         else:
-            originals = _flat_layers(sequential)
+            originals = layer_sequence.flat_layers(sequential)
             if not originals:
                 raise ValueError(f'The Sequential {sequential.name!r} has no layers to pipeline.')
-            batch_shape, dtype = _batch_shape(sequential, input_shape, input_dtype)
-            in_shapes, out_spec = _layer_shapes(originals, batch_shape, dtype)
+            batch_shape, dtype = layer_sequence.batch_shape(sequential, input_shape, input_dtype)
+            in_shapes, out_spec = layer_sequence.layer_shapes(originals, batch_shape, dtype)
             checks.check_supported(originals, in_shapes)
             sub = [
                 KerasLayer.Params().Set(
@@ -132,12 +128,12 @@ class GPipeModel(TrainSteps, keras.Model):
                     autocast=False,
                 )
                 for layer_name, layer, (shape, layer_dtype) in zip(
-                    _param_names(originals), originals, in_shapes
+                    layer_sequence.param_names(originals), originals, in_shapes
                 )
             ]
         if cut_after is not None:
-            balance = _balance_from_cuts(originals, cut_after, balance)
-        num_partitions, splits = _splits(originals, num_partitions, balance, devices)
+            balance = layer_sequence.balance_from_cuts(originals, cut_after, balance)
+        num_partitions, splits = layer_sequence.splits(originals, num_partitions, balance, devices)
         super().__init__(name=name or f'{sequential.name}_gpipe', **kwargs)
         # A functional model is saved as its own config (the graph), a Sequential by layers.
         # The model given, for to_keras() (untracked: its weights are not this model's).
@@ -202,7 +198,9 @@ class GPipeModel(TrainSteps, keras.Model):
         # compile()'s per-output losses and metrics by them and names history's keys after them.
         # (Untracked: TF's tracking would wrap a dict, and Keras matches loss dicts by type.)
         object.__setattr__(
-            self, '_out_template', _output_template(sequential) if is_functional else None
+            self,
+            '_out_template',
+            layer_sequence.output_template(sequential) if is_functional else None,
         )
         if getattr(sequential, 'output_names', None):
             self.output_names = list(sequential.output_names)
@@ -296,7 +294,7 @@ class GPipeModel(TrainSteps, keras.Model):
 
     def _Unmasked(self, outputs):
         """Outputs for a per-micro-batch loss, which cannot honour a mask exactly."""
-        if _carries_mask(outputs):
+        if layer_sequence.carries_mask(outputs):
             raise ValueError(
                 f'{self.name}: an output carries a Keras mask, and Keras averages a masked loss '
                 'over the unmasked entries of the whole batch; schedule='
@@ -377,7 +375,7 @@ class GPipeModel(TrainSteps, keras.Model):
             if not model.built:  # a Sequential given without keras.Input
                 model.build(self._batch_shape)
             if self._source is None:
-                targets = _flat_layers(model)
+                targets = layer_sequence.flat_layers(model)
             else:
                 targets = [step.layer for step in functional.steps_of(model)[0]]
             done = set()
@@ -422,234 +420,3 @@ class GPipeModel(TrainSteps, keras.Model):
         ]
         # Unbuilt: the layers get their weights only on their devices (then Keras loads them).
         return cls(keras.Sequential(layers), **config)
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-
-
-def _output_template(model):
-    """The structure of a functional model's outputs (None for one output), to pack a flat list."""
-    if len(model.outputs) == 1:
-        return None
-    return keras.tree.map_structure(lambda _: 0, model.output)
-
-
-def _carries_mask(outputs):
-    outs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
-    return any(isinstance(out, NestedMap) for out in outs)
-
-
-def _check_model(model):
-    """True for a functional model, False for a Sequential; anything else is refused."""
-    if isinstance(model, keras.Sequential):
-        return False
-    if isinstance(model, keras.Model) and type(model).__name__ == 'Functional':
-        return True
-    if isinstance(model, keras.Model):
-        raise TypeError(
-            f'GPipe pipelines a keras.Sequential or a functional keras.Model (a graph of layer '
-            f'calls); got the subclassed model {model.name!r}, whose call() is Python code with '
-            'no graph to cut. Build it functionally (keras.Model(inputs, outputs)), or build a '
-            'PipelinedLayer with cell_tpl.'
-        )
-    raise TypeError(f'GPipe takes a keras.Sequential or functional keras.Model, got {model!r}.')
-
-
-def _functional_sub(model):
-    """(layers per step, KerasNodeLayer params, input (batch shape, dtype)s, output spec,
-    the steps each output depends on)."""
-    try:
-        model.inputs[0]
-    except (AttributeError, ValueError, IndexError, TypeError):
-        raise ValueError(
-            f'GPipe needs the input shape of {model.name!r}: start it with keras.Input(shape=...).'
-        ) from None
-    steps, inputs, outputs, specs = functional.steps_of(model)
-    if not steps:
-        raise ValueError(f'The model {model.name!r} has no layers to pipeline.')
-    originals = [step.layer for step in steps]
-    checks.check_supported(originals)
-    sub = []
-    for i, (name, step) in enumerate(zip(_param_names(originals), steps)):
-        sub.append(
-            KerasNodeLayer.Params().Set(
-                name=name,
-                keras_layer=type(step.layer),
-                config=layer_config(step.layer),
-                input_shape=[list(s) for s in step.arg_shapes],
-                args=step.args,
-                arg_dtypes=step.arg_dtypes,
-                outputs=step.outputs,
-                call_kwargs=step.call_kwargs,
-                keep=step.keep,
-                from_inputs=inputs if i == 0 else [],
-                to_outputs=outputs if i == len(steps) - 1 else [],
-                autocast=False,
-            )
-        )
-    out_specs = [keras.KerasTensor(specs[k][0], dtype=specs[k][1]) for k in outputs]
-    reach = functional.reaching(steps, outputs)
-    # Several outputs come back as a list, as from the plain model built with a list.
-    return (
-        originals,
-        sub,
-        [specs[k] for k in inputs],
-        (out_specs if len(out_specs) > 1 else out_specs[0]),
-        reach,
-    )
-
-
-_OPTIONS = (
-    'num_partitions',
-    'balance',
-    'cut_after',
-    'num_micro_batches',
-    'recompute',
-    'schedule',
-    'virtual_stages',
-    'devices',
-    'partition_by',
-    'jit_compile',
-    'input_shape',
-    'input_dtype',
-    'name',
-)
-
-
-def _check_options(kwargs):
-    """A misspelt GPipe option names the closest one (Keras alone says 'Unrecognized keyword
-    arguments'); anything else goes on to keras.Model."""
-    for key in kwargs:
-        close = difflib.get_close_matches(key, _OPTIONS, n=1, cutoff=0.75)
-        if close:
-            raise TypeError(
-                f'GPipe got an unknown argument {key!r} (did you mean {close[0]!r}?). Its '
-                f'options: {", ".join(_OPTIONS)}.'
-            )
-
-
-def _flat_layers(sequential):
-    """The Sequential's layers, nested Sequentials expanded in place."""
-    out = []
-    for layer in sequential.layers:
-        out.extend(_flat_layers(layer) if isinstance(layer, keras.Sequential) else [layer])
-    return out
-
-
-def _makes_mask(layer):
-    return isinstance(layer, keras.layers.Masking) or (
-        isinstance(layer, keras.layers.Embedding) and layer.mask_zero
-    )
-
-
-def _batch_shape(sequential, input_shape, input_dtype):
-    """(batch shape with None batch, input dtype) from input_shape or the built Sequential."""
-    if input_shape is not None:
-        return (None,) + tuple(input_shape), input_dtype or 'float32'
-    try:
-        spec = sequential.inputs[0]
-    except (AttributeError, ValueError, IndexError, TypeError):
-        spec = None
-    if spec is None:
-        raise ValueError(
-            f'GPipe needs the input shape of {sequential.name!r}: start the Sequential with '
-            'keras.Input(shape=...), or pass input_shape=(...) without the batch dimension.'
-        )
-    return (None,) + tuple(spec.shape[1:]), input_dtype or spec.dtype
-
-
-def _layer_shapes(layers, batch_shape, dtype):
-    """Each layer's input (batch shape, dtype), and the model's output KerasTensor."""
-    spec = keras.KerasTensor(batch_shape, dtype=dtype)
-    shapes = []
-    for layer in layers:
-        shapes.append((tuple(spec.shape), spec.dtype))
-        try:
-            if layer.built:
-                spec = layer.compute_output_spec(spec)
-            else:
-                with keras.StatelessScope():  # Builds a copy without allocating weights.
-                    copy = make_layer(type(layer), layer_config(layer))
-                    copy.build(spec.shape)
-                    spec = copy.compute_output_spec(spec)
-        except Exception as e:
-            raise ValueError(
-                f'Layer {layer.name!r} ({type(layer).__name__}) cannot take input shape '
-                f'{tuple(spec.shape)}: {e}'
-            ) from e
-        if isinstance(spec, list | tuple):
-            raise ValueError(
-                f'Layer {layer.name!r} returns {len(spec)} outputs; a Sequential layer returns one.'
-            )
-    return shapes, spec
-
-
-def _balance_from_cuts(layers, cut_after, balance):
-    """Layers per partition for cuts after the named layers (calls, in the running order)."""
-    if balance is not None:
-        raise ValueError('Give balance=... or cut_after=..., not both.')
-    if isinstance(cut_after, str) or not cut_after:
-        raise ValueError(f'cut_after must be a non-empty list of layer names, got {cut_after!r}.')
-    names = [layer.name for layer in layers]
-    ends = []
-    for name in cut_after:
-        where = [i for i, n in enumerate(names) if n == name]
-        if not where:
-            close = difflib.get_close_matches(name, names, n=1)
-            hint = f' (did you mean {close[0]!r}?)' if close else ''
-            raise ValueError(f'cut_after: the model has no layer {name!r}{hint}.')
-        if len(where) > 1:
-            raise ValueError(
-                f'cut_after: layer {name!r} is called {len(where)} times (at positions '
-                f'{where} of {len(names)}); give balance=[...] to cut between its calls.'
-            )
-        if where[0] == len(names) - 1:
-            raise ValueError(f'cut_after: {name!r} is the last layer; nothing would follow it.')
-        ends.append(where[0] + 1)
-    if ends != sorted(set(ends)):
-        raise ValueError(
-            f'cut_after must name layers in the order they run, each once: {list(cut_after)} '
-            f'runs at positions {[e - 1 for e in ends]}.'
-        )
-    return [b - a for a, b in zip([0] + ends, ends + [len(names)])]
-
-
-def _splits(layers, num_partitions, balance, devices):
-    """(K, ending indices from balance), or (K, None) for the partitioner to balance."""
-    n = len(layers)
-    if balance is not None:
-        if num_partitions is not None and num_partitions != len(balance):
-            raise ValueError(
-                f'num_partitions={num_partitions} but balance={list(balance)} has '
-                f'{len(balance)} entries; give one of them.'
-            )
-        if any(not isinstance(b, int | np.integer) or b < 1 for b in balance):
-            raise ValueError(f'balance must be positive layer counts, got {list(balance)}.')
-        if sum(balance) != n:
-            raise ValueError(
-                f'balance={list(balance)} covers {sum(balance)} layers; the model has {n}: '
-                f'{", ".join(layer.name for layer in layers)}.'
-            )
-        return len(balance), [int(x) for x in np.cumsum(balance)]
-    if num_partitions is None:
-        if devices is not None:
-            num_partitions = len(devices)
-        else:
-            from tf_gpipe.runtime import cluster
-
-            num_partitions = cluster.current_mesh().num_stages
-    return num_partitions, None  # K is checked against the layers by the PipelinedLayer
-
-
-def _param_names(layers):
-    """Unique Python identifiers from the Keras layer names (our layer names must be)."""
-    names, seen = [], set()
-    for layer in layers:
-        base = re.sub(r'\W', '_', layer.name)
-        base = base if base and not base[0].isdigit() else f'layer_{base}'
-        name, i = base, 1
-        while name in seen:
-            name, i = f'{base}_{i}', i + 1
-        seen.add(name)
-        names.append(name)
-    return names

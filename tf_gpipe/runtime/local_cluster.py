@@ -41,7 +41,7 @@ class LocalCluster:
     the workers' environment (e.g. TF_CPU_BFC_MEM_LIMIT_IN_MB, a per-worker memory budget).
     """
 
-    def __init__(self, num_workers, cores=None, job_name='worker', start_timeout=60.0, env=None):
+    def __init__(self, num_workers, cores=None, job_name='worker', start_timeout=180.0, env=None):
         if num_workers < 1:
             raise ValueError(f'num_workers must be >= 1, got {num_workers}.')
         self.num_workers = num_workers
