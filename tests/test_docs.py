@@ -176,7 +176,7 @@ def test_keras_example_trains_saves_and_restores():
 def test_keras_resnet_example_runs():
     result = _run(_block('keras.applications.ResNet50'))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert 'GPipe: 4 partitions, 2 micro-batches' in result.stdout, result.stdout[-3000:]
+    assert 'GPipe: 4 cells, 2 micro-batches' in result.stdout, result.stdout[-3000:]
     assert '/device:CPU:3' in result.stdout
     assert re.search(r'\[\d+, \d+, \d+, \d+\]', result.stdout.splitlines()[-1]), result.stdout[
         -500:

@@ -407,4 +407,4 @@ def test_summary_shows_the_plain_models_shapes():
     GPipe(model, num_partitions=2).summary(print_fn=lines.append)
     text = '\n'.join(lines)
     assert '(None, 2)' in text and '(None, 1)' in text and '(None, 8)' in text, text
-    assert 'GPipe: 2 partitions' in text
+    assert 'GPipe: 2 cells' in text

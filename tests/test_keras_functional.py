@@ -409,7 +409,7 @@ def test_equal_cost_cuts_carry_least_and_cuts_by_name():
     lines = []
     pipe.summary(print_fn=lines.append)
     text = '\n'.join(lines)
-    assert 'GPipe: 3 partitions, 2 micro-batches' in text
+    assert 'GPipe: 3 cells, 2 micro-batches' in text
     assert 'h2 .. h4 (3)' in text and '/device:CPU:2' in text
     with pytest.raises(ValueError, match=r"no layer 'h33' \(did you mean 'h3'\?\)"):
         GPipe(_chain(), cut_after=['h33'])

@@ -49,11 +49,11 @@ class GPipeModel(TrainSteps, keras.Model):
       sequential: a keras.Sequential (nested Sequentials are flattened; one built with
         keras.Input, or given `input_shape`) or a functional keras.Model (any graph of calls;
         several inputs and outputs; models used as layers are inlined). Its current weights are
-        copied onto the partitions' devices; train the returned model.
-      num_partitions: K, balanced automatically by `partition_by`. None (and no `balance`): one
-        partition per device of `devices` or of the current device mesh.
-      balance: explicit layers per partition, e.g. [3, 3, 2, 2] (overrides num_partitions).
-      cut_after: explicit cuts by layer name: a partition ends after each named layer's call,
+        copied onto the cells' devices; train the returned model.
+      num_partitions: K, the number of cells, balanced by `partition_by`. None (and no `balance`): one
+        cell per device of `devices` or of the current device mesh.
+      balance: explicit layers per cell, e.g. [3, 3, 2, 2] (overrides num_partitions).
+      cut_after: explicit cuts by layer name: a cell ends after each named layer's call,
         e.g. ['conv3_block4_out', 'conv4_block6_out'] (K = len + 1).
       num_micro_batches: M; any batch size works (min(M, N) micro-batches whose sizes differ by
         at most one), the last partial batch of an epoch and a small predict() included.
@@ -61,7 +61,7 @@ class GPipeModel(TrainSteps, keras.Model):
       schedule: 'gpipe' | '1f1b' | 'interleaved_1f1b' | 'zero_bubble'. Other than 'gpipe',
         fit() computes the compiled loss per micro-batch on the last stage (its mean over each
         micro-batch, weighted by size: the plain loss for 'sum_over_batch_size' reductions).
-      virtual_stages: v for 'interleaved_1f1b' (K*v partitions, partition c on device c mod K).
+      virtual_stages: v for 'interleaved_1f1b' (K*v cells, cell c on device c mod K).
       devices: K device names (None: the current mesh, see tf_gpipe.cluster).
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
@@ -245,16 +245,16 @@ class GPipeModel(TrainSteps, keras.Model):
         return self._options['num_micro_batches']
 
     def partition_table(self):
-        """The partitions as a table: layers, params, flops and activation bytes per example, device."""
+        """The cells as a table: layers, params, flops and activation bytes per example, device."""
         return self._pipe.PartitionTable()
 
     def summary(self, *args, **kwargs):
-        """Keras's summary of the layers, then the partitions: layers, params, device per cell."""
+        """Keras's summary of the layers, then the cells: layers, params, device per cell."""
         super().summary(*args, **kwargs)
         print_fn = kwargs.get('print_fn') or print
         o = self._options
         print_fn(
-            f'GPipe: {self.num_partitions} partitions, {o["num_micro_batches"]} micro-batches, '
+            f'GPipe: {self.num_partitions} cells, {o["num_micro_batches"]} micro-batches, '
             f'schedule={o["schedule"]!r}, recompute={o["recompute"]!r}\n'
             f'{self.partition_table()}'
         )
@@ -325,7 +325,7 @@ class GPipeModel(TrainSteps, keras.Model):
         return self._Pack(specs)
 
     def build(self, input_shape=None):
-        """Built at construction (every partition's weights already exist)."""
+        """Built at construction (every cell's weights already exist)."""
 
     def compile(self, *args, **kwargs):
         if kwargs.get('jit_compile') is True:

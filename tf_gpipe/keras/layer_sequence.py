@@ -172,7 +172,7 @@ def layer_shapes(layers, batch_shape, dtype):
 
 
 def balance_from_cuts(layers, cut_after, balance):
-    """Layers per partition for cuts after the named layers (calls, in the running order)."""
+    """Layers per cell for cuts after the named layers (calls, in the running order)."""
     if balance is not None:
         raise ValueError('Give balance=... or cut_after=..., not both.')
     if isinstance(cut_after, str) or not cut_after:
