@@ -320,6 +320,12 @@ class BaseLayer(tf.Module):
         none."""
         return []
 
+    def ReplayedState(self):
+        """The variables this layer's forward assigns that are set to the same value before
+        every call, so a recomputed forward assigns them alike (Keras seed generators): the
+        recompute check lets those assignments be. Default: none."""
+        return []
+
     def PostTrainingStepUpdate(self):
         """Once per training step, after the gradient update (e.g. batch-norm moving stats)."""
         for child in _flatten_children(self._children):

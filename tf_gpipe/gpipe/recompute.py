@@ -184,8 +184,8 @@ class CellRunner:
 
         owners, replayed = {}, set()  # handle -> (layer, var); handles of replayed state
         for layer in self.cell.AllLayers():
-            for gen in getattr(layer, '_generators', []):  # Keras seed generators: set per call
-                replayed.add(handle(gen.state.value))
+            for v in layer.ReplayedState():
+                replayed.add(handle(v))
             for v in layer.vars.values():
                 if isinstance(v, tf.Variable):
                     owners[handle(v)] = (layer, v)

@@ -110,6 +110,10 @@ class KerasLayer(base_layer.BaseLayer):
         self._generators = keras_state.seed_generators(self._layer)
         self._batch_norms = keras_state.batch_norm_stats(self._layer)
 
+    def ReplayedState(self):
+        # The seed generators' counters, set from (step, micro-batch) before each call.
+        return [gen.state.value for gen in self._generators]
+
     @property
     def keras_layer(self):
         return self._layer
