@@ -534,7 +534,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         if self._mesh is not None and distribute.in_replica_context():
             tf.distribute.get_replica_context().merge_call(lambda _: self.PostTrainingStepUpdate())
             return
-        replication.pool_batch_norm_sums(self._replica_cells)
+        replication.pool_replica_sums(self._replica_cells)
         super().PostTrainingStepUpdate()
 
     @classmethod

@@ -75,9 +75,10 @@ def sum_over_replicas(per_replica_sums, per_replica_variables, scale=None):
     return out
 
 
-def pool_batch_norm_sums(replica_cells):
-    """Before the once-per-step moving-average update: every replica's batch-norm sums become
-    the sums over all replicas, so every copy moves with the whole batch's statistics."""
+def pool_replica_sums(replica_cells):
+    """Before the once-per-step update: every replica's copy of each layer's `ReplicaSums()`
+    (batch-norm statistics) becomes the sum over all replicas, so every copy moves with the
+    whole batch's statistics."""
     if len(replica_cells) < 2:
         return
     groups = zip(*[[layer for c in cells for layer in c.AllLayers()] for cells in replica_cells])
