@@ -313,8 +313,13 @@ def startup_table(result):
     ratio = any('steady_ratio' in s for s in summary)
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
-        'call of a training step (loss and gradients), each (K, L, M) in a fresh process, one '
-        'run:',
+        'call of '
+        + (
+            "eval's forward (FProp in eval mode)"
+            if result.get('measured', '').startswith('eval')
+            else 'a training step (loss and gradients)'
+        )
+        + ', each (K, L, M) in a fresh process, one run:',
         '',
         '| L | K | schedule | '
         + ' | '.join(f'start-up s, M={m}' for m in ms)

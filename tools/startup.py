@@ -5,6 +5,7 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
     python tools/startup.py --notick_loop ...   # the unrolled executor (the library default)
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
+    python tools/startup.py --eval --compare_unrolled ...   # eval's forward (FProp), not training
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
@@ -45,6 +46,12 @@ COMPARE = flags.DEFINE_bool(
     False,
     'Also measure the unrolled executor in the same process (its start-up '
     "and steady step at the largest M, beside the loop's).",
+)
+EVAL = flags.DEFINE_bool(
+    'eval',
+    False,
+    "Measure eval's forward (FProp under eval_mode; the loop: eval_loop.py) instead of a "
+    "training step; the schedule column then reads 'eval'.",
 )
 DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer layers (hidden 2d).')
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
@@ -97,7 +104,7 @@ def _child(spec):
     cluster.logical_cpus(k)
     import tensorflow as tf
 
-    from tf_gpipe import gpipe, layers
+    from tf_gpipe import fprop_context, gpipe, layers
     from tf_gpipe.nested_map import NestedMap
 
     tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
@@ -116,6 +123,9 @@ def _child(spec):
     plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
 
     def plain_step(x, t):
+        if EVAL.value:
+            with fprop_context.eval_mode():
+                return plain.FProp(x).vecs
         with tf.GradientTape() as tape:
             loss = loss_fn(plain.FProp(x), t)
         return loss, tape.gradient(loss, plain.trainable_variables)
@@ -125,7 +135,8 @@ def _child(spec):
     engines = [(TICK_LOOP.value, 'pipeline')]
     if TICK_LOOP.value and COMPARE.value:
         engines.append((False, 'unrolled'))
-    for schedule, (loop, kind) in [(s, e) for s in SCHEDULES.value for e in engines]:
+    schedules = ['eval'] if EVAL.value else SCHEDULES.value
+    for schedule, (loop, kind) in [(s, e) for s in schedules for e in engines]:
         v = 2 if schedule == 'interleaved_1f1b' else 1
         if k * v > num_layers or (v > 1 and m % k):
             continue  # needs K*v cells of at least one layer, and M a multiple of K
@@ -138,7 +149,7 @@ def _child(spec):
                 partition_by='uniform',
                 num_micro_batches=m,
                 recompute=POLICY.value,
-                schedule=schedule,
+                schedule='gpipe' if schedule == 'eval' else schedule,
                 virtual_stages=v,
                 tick_loop=loop,
             )
@@ -146,6 +157,9 @@ def _child(spec):
         )
 
         def pipe_step(x, t, pipe=pipe):
+            if EVAL.value:
+                with fprop_context.eval_mode():
+                    return pipe.FProp(x).vecs
             return pipe.ComputeGradients(x, t, loss_fn)
 
         measured.append(_measure(pipe_step, (x, targets)))
@@ -238,6 +252,7 @@ def main(argv):
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
                     f'--dim={DIM.value}',
+                    f'--eval={EVAL.value}',
                 ]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if done.returncode:
@@ -261,6 +276,7 @@ def main(argv):
             f'batch {BATCH.value} x {SEQ}'
         ),
         recompute=POLICY.value,
+        measured='eval forward (FProp)' if EVAL.value else 'training step',
         rows=rows,
         summary=summarise(rows),
     )

@@ -25,6 +25,7 @@ from absl import logging
 from tf_gpipe import base_layer, fprop_context
 from tf_gpipe.gpipe import cells as cell_plan
 from tf_gpipe.gpipe import (
+    eval_loop,
     executor,
     microbatch,
     ownership,
@@ -470,12 +471,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             except tick_loop.UnsupportedError as e:
                 why = str(e)
         if why is not None:
-            if why not in self._cache.unrolled_reasons:
-                self._cache.unrolled_reasons.add(why)
-                logging.warning(
-                    '%s: tick_loop=True, but this step runs unrolled (its program grows with '
-                    'M): %s.', p.name, why,
-                )  # fmt: skip
+            self._LogUnrolled(why)
             return False
         run.losses, run.outputs = loop.losses, loop.outputs
         return True
@@ -501,6 +497,10 @@ class PipelinedLayer(base_layer.BaseLayer):
             if not micro:
                 continue
             sched = self.Schedule(len(micro))
+            merged = self._EvalLoop(r, sched, micro, step)
+            if merged is not None:
+                outs.append(merged)
+                continue
             run = executor.Executor(
                 self._runners[r], sched, 'always', step, r * p.num_micro_batches, None, False
             )
@@ -512,6 +512,33 @@ class PipelinedLayer(base_layer.BaseLayer):
                 )
         with distribute.on(self._Row()[-1]):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
+
+    def _EvalLoop(self, r, sched, micro, step):
+        """Replica r's eval as a loop over ticks (eval_loop.py), merged; None when this call
+        cannot run as one (said in the log once per reason: its program then grows with M)."""
+        p = self.params
+        if not p.tick_loop or len(micro) == 1:
+            return None  # one micro-batch: one call per cell either way
+        why = eval_loop.unsupported(micro)
+        if why is None:
+            loop = eval_loop.EvalLoop(
+                self._runners[r], sched.device_of, step, r * p.num_micro_batches, p.batch_dim
+            )
+            try:
+                return loop.Run(micro)
+            except eval_loop.UnsupportedError as e:
+                why = str(e)
+        self._LogUnrolled(why)
+        return None
+
+    def _LogUnrolled(self, why):
+        if why not in self._cache.unrolled_reasons:
+            self._cache.unrolled_reasons.add(why)
+            logging.warning(
+                '%s: tick_loop=True, but this step runs unrolled (its program grows with M): %s.',
+                self.params.name,
+                why,
+            )
 
     def ExtendStep(self, inputs, state, t, max_len):
         """Decoding one step: replica 0's cells in order, each on its device with its own state

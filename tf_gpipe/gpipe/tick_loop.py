@@ -76,16 +76,17 @@ def unsupported(sched, policy, micro_inputs, micro_targets):
     for micro in (micro_inputs, micro_targets):
         if micro is None or micro[0] is None:
             continue
-        first = [_spec(t) for t in tf.nest.flatten(micro[0])]
+        first = [spec_of(t) for t in tf.nest.flatten(micro[0])]
         if any(s is not None and not s.shape.is_fully_defined() for s in first):
             return 'a micro-batch shape known only at run time'
         for other in micro[1:]:
-            if [_spec(t) for t in tf.nest.flatten(other)] != first:
+            if [spec_of(t) for t in tf.nest.flatten(other)] != first:
                 return 'micro-batches of different sizes'
     return None
 
 
-def _spec(t):
+def spec_of(t):
+    """t's TensorSpec (None for None)."""
     return None if t is None else tf.TensorSpec(t.shape, t.dtype)
 
 
@@ -113,7 +114,7 @@ class _Stage:
         forward = runner._forward.get_concrete_function(
             in_struct, self.tgt_struct, step_spec, mb_spec, True
         )
-        out = tf.nest.map_structure(_spec, forward.structured_outputs)
+        out = tf.nest.map_structure(spec_of, forward.structured_outputs)
         if self.last and runner.head is not None:
             self.out_struct = out[0]  # (outputs, weighted loss, weight)
         else:
@@ -217,10 +218,10 @@ class TickLoop:
         tgt_struct = (
             None
             if micro_targets is None or micro_targets[0] is None
-            else tf.nest.map_structure(_spec, micro_targets[0])
+            else tf.nest.map_structure(spec_of, micro_targets[0])
         )
         stages = []
-        in_struct = tf.nest.map_structure(_spec, micro_inputs[0])
+        in_struct = tf.nest.map_structure(spec_of, micro_inputs[0])
         for s in range(S):
             st = _Stage(s, runners[s], in_struct, tgt_struct, step_spec, mb_spec, sched)
             stages.append(st)
@@ -348,9 +349,9 @@ class TickLoop:
             },
             dense={},
             sparse={},
-            loss=_on(stages[-1].device, lambda: [tf.zeros([]), tf.zeros([])]),
+            loss=run_on(stages[-1].device, lambda: [tf.zeros([]), tf.zeros([])]),
             # Each device counts the ticks itself: no tick sends it the loop counter.
-            clock={d: _on(devices[d], lambda: tf.zeros([], tf.int32)) for d in range(K)},
+            clock={d: run_on(devices[d], lambda: tf.zeros([], tf.int32)) for d in range(K)},
             out=[new_list(sp, stages[-1].device) for sp in present(stages[-1].out_flat)]
             if want_outputs
             else [],
@@ -360,8 +361,8 @@ class TickLoop:
         for s, st in enumerate(stages):
             if st.fns is None:
                 continue
-            res_specs = [_spec(t) for t in st.fns.residuals]
-            bw_specs = [_spec(t) for t in st.fns.b_to_w] if sched.split_backward else []
+            res_specs = [spec_of(t) for t in st.fns.residuals]
+            bw_specs = [spec_of(t) for t in st.fns.b_to_w] if sched.split_backward else []
             if not all(
                 sp.shape.is_fully_defined() and sp.dtype not in (tf.resource, tf.variant)
                 for sp in res_specs + bw_specs
@@ -377,7 +378,7 @@ class TickLoop:
             d = sched.device_of(s)
             for v, g in self._grad_kinds[s]:
                 if isinstance(g, tf.IndexedSlices):
-                    specs = (_spec(g.values), _spec(g.indices))
+                    specs = (spec_of(g.values), spec_of(g.indices))
                     if not all(sp.shape.is_fully_defined() for sp in specs):
                         raise UnsupportedError('a sparse gradient of unknown size')
                     sparse_specs[(s, v.ref())] = specs
@@ -385,7 +386,7 @@ class TickLoop:
                         new_list(sp, st.device) for sp in specs
                     ]
                 elif all(v.ref() != u.ref() for u, _ in dense_vars[d]):
-                    dense_vars[d].append((v, _spec(g)))
+                    dense_vars[d].append((v, spec_of(g)))
         # A device's dense sums are one flat vector per dtype: one loop variable, not one per
         # variable (each loop variable and switch_case output costs ops at every tick).
         groups = {d: {} for d in range(K)}  # device -> dtype -> [(variable, spec)]
@@ -416,9 +417,9 @@ class TickLoop:
             want_outputs,
         )
         # The step and the seed base as every device's own copy (read at every tick).
-        ctx.step = {d: _on(devices[d], lambda: tf.identity(self.step)) for d in range(K)}
+        ctx.step = {d: run_on(devices[d], lambda: tf.identity(self.step)) for d in range(K)}
         ctx.seed_base = {
-            d: _on(devices[d], lambda: tf.cast(self.seed_base, tf.int64)) for d in range(K)
+            d: run_on(devices[d], lambda: tf.cast(self.seed_base, tf.int64)) for d in range(K)
         }
 
         # ---- the body ------------------------------------------------------------------------
@@ -506,7 +507,7 @@ class TickLoop:
         # The While op itself stays unplaced: TF then places each loop variable's Enter, Merge,
         # Switch and NextIteration beside its initial value (a device given here would gather
         # them all on that device).
-        with tf.compat.v1.device(_beside_input):
+        with tf.compat.v1.device(beside_input):
             _, final = tf.while_loop(
                 lambda t, _: t < ticks,
                 body,
@@ -788,14 +789,15 @@ def _unpack(flats, layout, dtypes):
     return out
 
 
-def _beside_input(op):
+def beside_input(op):
     """A device function: an identity without a device goes where its input is."""
     if op.type == 'Identity' and not op.device and op.inputs and op.inputs[0].device:
         return op.inputs[0].device
     return op.device
 
 
-def _on(device, fn):
+def run_on(device, fn):
+    """fn() under `device`."""
     with distribute.on(device):
         return fn()
 
