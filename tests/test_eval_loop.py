@@ -1,5 +1,5 @@
-"""Eval as a loop over ticks (eval_loop.py) gives the unrolled wave's outputs, and its program
-does not grow with M.
+"""Eval as a loop over ticks (eval_loop.py, PipelinedLayer.eval_loop, the default) gives the
+unrolled wave's outputs, and its program does not grow with M.
 
 Compared on the same weights: K = 2 and 4 (and interleaved, two cells per device), M = 1, 3
 and 4, a batch dimension other than 0, integer inputs (an embedding), a batch size known only
@@ -31,7 +31,7 @@ def _pipe(loop, m=4, k=2, sub=None, **kw):
             num_partitions=k,
             partition_by='uniform',
             num_micro_batches=m,
-            tick_loop=loop,
+            eval_loop=loop,
             **kw,
         )
         .Instantiate()
@@ -139,7 +139,7 @@ def test_keras_predict_and_evaluate_run_the_loop_like_plain_keras(caplog, monkey
     run = eval_loop.EvalLoop.Run
     monkeypatch.setattr(eval_loop.EvalLoop, 'Run', lambda self, m: built.append(1) or run(self, m))
     plain = mlp()
-    pipe = GPipe(mlp(), num_partitions=2, num_micro_batches=4, tick_loop=True)
+    pipe = GPipe(mlp(), num_partitions=2, num_micro_batches=4)  # eval_loop: the default
     for m in (plain, pipe):
         m.compile('sgd', 'sparse_categorical_crossentropy')
     # 40 = 16 + 16 + 8: the batch is known only at run time; the last one is smaller.

@@ -85,7 +85,9 @@ def test_a_stop_signal_saves_the_step_and_returns(tmp_path, caplog):
     # What SIGINT did before: Python's default, or ignored (a job started in the background by a
     # non-interactive shell inherits SIGINT ignored).
     before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
-    with caplog.at_level('INFO'):
+    # absl's logger too: an earlier test in this process may have pinned its level (TF's
+    # saved_model.save sets absl's verbosity explicitly), which would drop the INFO line.
+    with caplog.at_level('INFO'), caplog.at_level('INFO', logger='absl'):
         t.Train()
     assert int(t.global_step) == 3 and t.manager.latest_checkpoint.endswith('ckpt-3')
     message = [r.getMessage() for r in caplog.records if 'Received SIGTERM' in r.getMessage()]

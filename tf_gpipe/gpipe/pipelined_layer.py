@@ -88,6 +88,14 @@ class PipelinedLayer(base_layer.BaseLayer):
             'micro-batches; said in the log): the unrolled executor, one call per action, its '
             'program growing with M.',
         )
+        p.Define(
+            'eval_loop',
+            True,
+            "Eval's forward (FProp in eval mode) as a tf.while_loop over ticks: a program and "
+            "start-up flat in M, its steady step the unrolled wave's (eval_loop.py). False, "
+            'or a call it cannot run (eager, a strategy, uneven micro-batches; said in the '
+            'log): one call per cell and micro-batch.',
+        )
         return p
 
     def __init__(self, params):
@@ -471,7 +479,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             except tick_loop.UnsupportedError as e:
                 why = str(e)
         if why is not None:
-            self._LogUnrolled(why)
+            self._LogUnrolled('tick_loop', why)
             return False
         run.losses, run.outputs = loop.losses, loop.outputs
         return True
@@ -517,7 +525,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         """Replica r's eval as a loop over ticks (eval_loop.py), merged; None when this call
         cannot run as one (said in the log once per reason: its program then grows with M)."""
         p = self.params
-        if not p.tick_loop or len(micro) == 1:
+        if not p.eval_loop or len(micro) == 1:
             return None  # one micro-batch: one call per cell either way
         why = eval_loop.unsupported(micro)
         if why is None:
@@ -528,15 +536,16 @@ class PipelinedLayer(base_layer.BaseLayer):
                 return loop.Run(micro)
             except eval_loop.UnsupportedError as e:
                 why = str(e)
-        self._LogUnrolled(why)
+        self._LogUnrolled('eval_loop', why)
         return None
 
-    def _LogUnrolled(self, why):
-        if why not in self._cache.unrolled_reasons:
-            self._cache.unrolled_reasons.add(why)
+    def _LogUnrolled(self, what, why):
+        if (what, why) not in self._cache.unrolled_reasons:
+            self._cache.unrolled_reasons.add((what, why))
             logging.warning(
-                '%s: tick_loop=True, but this step runs unrolled (its program grows with M): %s.',
+                '%s: %s=True, but this call runs unrolled (its program grows with M): %s.',
                 self.params.name,
+                what,
                 why,
             )
 

@@ -67,6 +67,8 @@ class GPipeModel(TrainSteps, keras.Model):
       jit_compile: compile each cell's forward and backward with XLA.
       tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop):
         start-up flat in M, for now a slower steady step and more memory.
+      eval_loop: run evaluate() and predict() as a loop over ticks (PipelinedLayer.eval_loop):
+        start-up flat in M, the steady step unchanged; on by default.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
 
@@ -85,6 +87,7 @@ class GPipeModel(TrainSteps, keras.Model):
         partition_by='flops',
         jit_compile=False,
         tick_loop=False,
+        eval_loop=True,
         input_shape=None,
         input_dtype=None,
         name=None,
@@ -164,6 +167,7 @@ class GPipeModel(TrainSteps, keras.Model):
             devices=devices,
             jit_compile=jit_compile,
             tick_loop=tick_loop,
+            eval_loop=eval_loop,
         )
         with tf.init_scope():
             pipe = pipe_p.Instantiate()
@@ -213,6 +217,7 @@ class GPipeModel(TrainSteps, keras.Model):
             partition_by=partition_by,
             jit_compile=jit_compile,
             tick_loop=tick_loop,
+            eval_loop=eval_loop,
         )
         self._batch_shape, self._input_dtype = tuple(batch_shape), dtype
         self._input_names = input_names  # several inputs: their names, in order

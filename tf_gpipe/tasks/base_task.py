@@ -25,6 +25,11 @@ def PipelineParams():
         'The training step as a loop over clock ticks: start-up flat in M, for now a slower '
         'steady step and more memory (PipelinedLayer.tick_loop).',
     )
+    p.Define(
+        'eval_loop',
+        True,
+        "Eval's forward as a loop over ticks: start-up flat in M (PipelinedLayer.eval_loop).",
+    )
     return p
 
 
@@ -85,6 +90,7 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         num_replicas=pp.num_replicas,
         jit_compile=pp.jit_compile,
         tick_loop=pp.tick_loop,
+        eval_loop=pp.eval_loop,
     )
 
 
