@@ -314,11 +314,10 @@ def startup_table(result):
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
         'call of '
-        + (
-            "eval's forward (FProp in eval mode)"
-            if result.get('measured', '').startswith('eval')
-            else 'a training step (loss and gradients)'
-        )
+        + {
+            'eval': "eval's forward (FProp in eval mode)",
+            'fprop': "a training step by gpipe's FProp under a tape (loss and gradients)",
+        }.get(result.get('measured'), 'a training step (loss and gradients)')
         + ', each (K, L, M) in a fresh process, one run:',
         '',
         '| L | K | schedule | '

@@ -5,7 +5,8 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
     python tools/startup.py --notick_loop ...   # the unrolled executor (the library default)
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
-    python tools/startup.py --eval --compare_unrolled ...   # eval's forward (FProp), not training
+    python tools/startup.py --measure=eval --compare_unrolled ...   # eval's forward (FProp)
+    python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
 
 Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
@@ -47,11 +48,14 @@ COMPARE = flags.DEFINE_bool(
     'Also measure the unrolled executor in the same process (its start-up '
     "and steady step at the largest M, beside the loop's).",
 )
-EVAL = flags.DEFINE_bool(
-    'eval',
-    False,
-    "Measure eval's forward (FProp under eval_mode; the loop: eval_loop.py) instead of a "
-    "training step; the schedule column then reads 'eval'.",
+MEASURE = flags.DEFINE_enum(
+    'measure',
+    'train',
+    ['train', 'fprop', 'eval'],
+    "train: a ComputeGradients step per schedule; fprop: gpipe's FProp under a tape "
+    "(loops: forward_loop.py and backward_loop.py); eval: eval's forward (FProp in eval mode, "
+    "its loop on by default: --tick_loop picks it here). The schedule column reads 'fprop' or "
+    "'eval' then.",
 )
 DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer layers (hidden 2d).')
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
@@ -123,7 +127,7 @@ def _child(spec):
     plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
 
     def plain_step(x, t):
-        if EVAL.value:
+        if MEASURE.value == 'eval':
             with fprop_context.eval_mode():
                 return plain.FProp(x).vecs
         with tf.GradientTape() as tape:
@@ -135,7 +139,7 @@ def _child(spec):
     engines = [(TICK_LOOP.value, 'pipeline')]
     if TICK_LOOP.value and COMPARE.value:
         engines.append((False, 'unrolled'))
-    schedules = ['eval'] if EVAL.value else SCHEDULES.value
+    schedules = SCHEDULES.value if MEASURE.value == 'train' else [MEASURE.value]
     for schedule, (loop, kind) in [(s, e) for s in schedules for e in engines]:
         v = 2 if schedule == 'interleaved_1f1b' else 1
         if k * v > num_layers or (v > 1 and m % k):
@@ -149,17 +153,22 @@ def _child(spec):
                 partition_by='uniform',
                 num_micro_batches=m,
                 recompute=POLICY.value,
-                schedule='gpipe' if schedule == 'eval' else schedule,
+                schedule='gpipe' if schedule in ('eval', 'fprop') else schedule,
                 virtual_stages=v,
                 tick_loop=loop,
+                eval_loop=loop,
             )
             .Instantiate()
         )
 
         def pipe_step(x, t, pipe=pipe):
-            if EVAL.value:
+            if MEASURE.value == 'eval':
                 with fprop_context.eval_mode():
                     return pipe.FProp(x).vecs
+            if MEASURE.value == 'fprop':
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(pipe.FProp(x), t)
+                return loss, tape.gradient(loss, pipe.trainable_variables)
             return pipe.ComputeGradients(x, t, loss_fn)
 
         measured.append(_measure(pipe_step, (x, targets)))
@@ -252,7 +261,7 @@ def main(argv):
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
                     f'--dim={DIM.value}',
-                    f'--eval={EVAL.value}',
+                    f'--measure={MEASURE.value}',
                 ]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if done.returncode:
@@ -270,13 +279,19 @@ def main(argv):
     result = dict(
         bench_common.run_metadata(),
         startup=True,
-        engine='tick loop (tick_loop=True)' if TICK_LOOP.value else 'unrolled (tick_loop=False)',
+        engine=(
+            ('eval loop (eval_loop=True)' if TICK_LOOP.value else 'unrolled (eval_loop=False)')
+            if MEASURE.value == 'eval'
+            else 'tick loop (tick_loop=True)'
+            if TICK_LOOP.value
+            else 'unrolled (tick_loop=False)'
+        ),
         model=(
             f'Transformer d={DIM.value}, {HEADS} heads, hidden {2 * DIM.value}, '
             f'batch {BATCH.value} x {SEQ}'
         ),
         recompute=POLICY.value,
-        measured='eval forward (FProp)' if EVAL.value else 'training step',
+        measured=MEASURE.value,
         rows=rows,
         summary=summarise(rows),
     )

@@ -36,6 +36,11 @@ except ImportError:  # Older TF.
     from tensorflow.python.eager.tape import stop_recording as _stop_recording
 
 
+def stop_recording():
+    """No tape records what runs under it (a recomputed forward, the loops' forward)."""
+    return _stop_recording()
+
+
 def kept_micro_batches(sched, policy):
     """{(stage, micro_batch)} whose activations are kept (not recomputed) under `policy`."""
     if policy == 'never':

@@ -23,10 +23,10 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gpipe import base_layer, fprop_context
-from tf_gpipe.gpipe import cells as cell_plan
 from tf_gpipe.gpipe import (
-    eval_loop,
+    backward_loop,
     executor,
+    forward_loop,
     microbatch,
     ownership,
     partition,
@@ -35,6 +35,7 @@ from tf_gpipe.gpipe import (
     schedules,
     tick_loop,
 )
+from tf_gpipe.gpipe import cells as cell_plan
 from tf_gpipe.gpipe.recompute import CellRunner
 from tf_gpipe.runtime import distribute
 from tf_gpipe.sequential import chain_meta
@@ -92,7 +93,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             'eval_loop',
             True,
             "Eval's forward (FProp in eval mode) as a tf.while_loop over ticks: a program and "
-            "start-up flat in M, its steady step the unrolled wave's (eval_loop.py). False, "
+            "start-up flat in M, its steady step the unrolled wave's (forward_loop.py). False, "
             'or a call it cannot run (eager, a strategy, uneven micro-batches; said in the '
             'log): one call per cell and micro-batch.',
         )
@@ -334,6 +335,11 @@ class PipelinedLayer(base_layer.BaseLayer):
             for r, micro in zip(self._LocalReplicas(), shards):
                 if not micro:
                     continue
+                loops = self._FillDrainLoops(r, micro, step)
+                if loops is not None:
+                    runs.append(loops)
+                    outs.append(loops.outputs)
+                    continue
                 run = self._Executor(
                     r, len(micro), step, ownership.GradientSums(), input_grads=True
                 )
@@ -377,6 +383,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         d_shards = self._Shards(d_merged, first=False)
         d_inputs = []
         for run, d_micro in zip(runs, [d for d in d_shards if d]):
+            if isinstance(run, backward_loop.FillDrain):
+                d_inputs.append(run.Backward([_AsTuple(d) for d in d_micro]))
+                continue
             run.FeedOutputGrads([_AsTuple(d) for d in d_micro])
             run.Run([a for a in self._Order(run.sched) if a.phase != schedules.FORWARD])
             with distribute.on(run.runners[0].device):
@@ -522,21 +531,48 @@ class PipelinedLayer(base_layer.BaseLayer):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
 
     def _EvalLoop(self, r, sched, micro, step):
-        """Replica r's eval as a loop over ticks (eval_loop.py), merged; None when this call
-        cannot run as one (said in the log once per reason: its program then grows with M)."""
+        """Replica r's eval as a loop over ticks (forward_loop.py), merged; None when this
+        call cannot run as one (said in the log once per reason: its program then grows with
+        M)."""
         p = self.params
         if not p.eval_loop or len(micro) == 1:
             return None  # one micro-batch: one call per cell either way
-        why = eval_loop.unsupported(micro)
+        why = forward_loop.unsupported(micro)
         if why is None:
-            loop = eval_loop.EvalLoop(
+            loop = forward_loop.ForwardLoop(
                 self._runners[r], sched.device_of, step, r * p.num_micro_batches, p.batch_dim
             )
             try:
+                loop.Trace(micro)
                 return loop.Run(micro)
-            except eval_loop.UnsupportedError as e:
+            except forward_loop.UnsupportedError as e:
                 why = str(e)
         self._LogUnrolled('eval_loop', why)
+        return None
+
+    def _FillDrainLoops(self, r, micro, step):
+        """Replica r's training FProp as a forward and a backward loop (backward_loop.py),
+        its forward run; None when it runs unrolled (said in the log once per reason)."""
+        p = self.params
+        if not p.tick_loop or len(micro) == 1:
+            return None
+        why = forward_loop.unsupported(micro)
+        if why is None and p.recompute == 'never':
+            why = "recompute='never' (the loops keep each cell's input only, as 'always')"
+        if why is None:
+            loops = backward_loop.FillDrain(
+                self._runners[r],
+                self.Schedule(len(micro)).device_of,
+                step,
+                r * p.num_micro_batches,
+                p.batch_dim,
+            )
+            try:
+                loops.outputs = loops.Forward(micro)
+                return loops
+            except forward_loop.UnsupportedError as e:
+                why = str(e)
+        self._LogUnrolled('tick_loop', why)
         return None
 
     def _LogUnrolled(self, what, why):

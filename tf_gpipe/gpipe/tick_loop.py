@@ -622,7 +622,7 @@ class TickLoop:
                         (sp.shape.num_elements(), (gi, vi) in dense)
                         for vi, (_, sp) in enumerate(group)
                     )
-                    msg['dense'][gi] = _add_flat(msg['dense'][gi], present, layout)
+                    msg['dense'][gi] = add_flat(msg['dense'][gi], present, layout)
 
         def flat_dys():
             if st.last:
@@ -735,7 +735,7 @@ class TickLoop:
 
 
 @tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _add_flat(total, grads, layout):
+def add_flat(total, grads, layout):
     """`total` + the gradients laid out flat as `layout` says ((size, present) per variable,
     zeros where absent): one call in a branch instead of ops per variable at every tick."""
     it = iter(grads)

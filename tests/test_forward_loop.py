@@ -1,5 +1,5 @@
-"""Eval as a loop over ticks (eval_loop.py, PipelinedLayer.eval_loop, the default) gives the
-unrolled wave's outputs, and its program does not grow with M.
+"""Eval as a loop over ticks (forward_loop.py, PipelinedLayer.eval_loop, the default) gives
+the unrolled wave's outputs, and its program does not grow with M.
 
 Compared on the same weights: K = 2 and 4 (and interleaved, two cells per device), M = 1, 3
 and 4, a batch dimension other than 0, integer inputs (an embedding), a batch size known only
@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from tf_gpipe import fprop_context, gpipe, layers
-from tf_gpipe.gpipe import eval_loop
+from tf_gpipe.gpipe import forward_loop
 
 
 def _fc_stack(n=4, dim=6):
@@ -94,13 +94,13 @@ def test_the_program_does_not_grow_with_m():
 
 def test_what_it_cannot_run_falls_back_with_a_reason(caplog):
     micro = [tf.ones([2, 3]), tf.ones([2, 3])]
-    assert eval_loop.unsupported(micro) == 'eager execution'
+    assert forward_loop.unsupported(micro) == 'eager execution'
     reasons = []
 
     @tf.function(autograph=False)
     def probe():
-        reasons.append(eval_loop.unsupported([tf.ones([3, 3]), tf.ones([2, 3])]))
-        reasons.append(eval_loop.unsupported(micro))
+        reasons.append(forward_loop.unsupported([tf.ones([3, 3]), tf.ones([2, 3])]))
+        reasons.append(forward_loop.unsupported(micro))
         return tf.constant(0)
 
     probe()
@@ -136,8 +136,10 @@ def test_keras_predict_and_evaluate_run_the_loop_like_plain_keras(caplog, monkey
     x = np.random.RandomState(0).randn(40, 8).astype('float32')
     y = np.random.RandomState(1).randint(0, 3, 40)
     built = []
-    run = eval_loop.EvalLoop.Run
-    monkeypatch.setattr(eval_loop.EvalLoop, 'Run', lambda self, m: built.append(1) or run(self, m))
+    run = forward_loop.ForwardLoop.Run
+    monkeypatch.setattr(
+        forward_loop.ForwardLoop, 'Run', lambda self, m, **kw: built.append(1) or run(self, m, **kw)
+    )
     plain = mlp()
     pipe = GPipe(mlp(), num_partitions=2, num_micro_batches=4)  # eval_loop: the default
     for m in (plain, pipe):

@@ -1,0 +1,255 @@
+"""Fill-drain's backward wave as one `tf.while_loop`, after forward_loop.py's stashed forward.
+
+At tick t, cell s runs the backward of micro-batch M - 1 - (t - (S - 1 - s)): the last cell
+starts with the last micro-batch, as the unrolled gpipe schedule does, and each cell's input
+gradient reaches the cell before as a loop variable one tick later. A backward recomputes the
+cell's forward from its stashed input (the same dropout masks: the same step and micro-batch
+seed), then frees the stash slot. Each cell's dense weight gradients are running sums in the
+loop state, one flat vector per dtype (tick_loop.add_flat); sparse ones (gathers) are kept per
+micro-batch and concatenated after the loop, as TF's tape aggregates them, so an optimizer
+still gets them sparse. The first cell's input gradients are written per micro-batch and
+concatenated along the batch dimension after the loop.
+"""
+
+import tensorflow as tf
+
+from tf_gpipe.gpipe import executor, forward_loop, ownership
+from tf_gpipe.gpipe.forward_loop import UnsupportedError, empty, front, merged, present
+from tf_gpipe.gpipe.tick_loop import add_flat, run_on, spec_of
+from tf_gpipe.runtime import distribute
+
+
+def _float_spec(sp):
+    return sp if sp is not None and sp.dtype.is_floating else None
+
+
+class BackwardLoop(forward_loop.Wave):
+    """The backward of a `ForwardLoop` run with `stash`, into ownership.GradientSums `sums`."""
+
+    def Prepare(self, fwd, input_grads=True):
+        """Traces each cell's backward for `fwd`'s specs (the loop body's calls reuse it) and
+        sorts the weight gradients; raises UnsupportedError before any loop."""
+        runners, S = self.runners, len(self.runners)
+        step_spec = tf.TensorSpec([], tf.int64)
+        in_specs, out_specs = fwd.in_specs, fwd.out_specs
+        grad_specs = [tf.nest.map_structure(_float_spec, sp) for sp in out_specs]
+        float_in = [present(tf.nest.map_structure(_float_spec, sp)) for sp in in_specs]
+        wants = ['all' if s or (input_grads and float_in[0]) else 'variables' for s in range(S)]
+
+        # Trace each cell's backward once (the calls in the loop body reuse it) and sort the
+        # weight gradients it returns into dense (summed in the loop) and sparse (kept per m).
+        dense, sparse = [], []  # per cell: [(variable, spec)] / [(variable, values, indices)]
+        for s, runner in enumerate(runners):
+            fn = runner._backward.get_concrete_function(
+                in_specs[s], None, grad_specs[s], step_spec, step_spec, wants[s]
+            )
+            d_vars = fn.structured_outputs[-1]
+            dense.append([]), sparse.append([])
+            for v, g in zip(runner.read_variables, d_vars):
+                if isinstance(g, tf.IndexedSlices):
+                    specs = (spec_of(g.values), spec_of(g.indices))
+                    if not all(sp.shape.is_fully_defined() for sp in specs):
+                        raise UnsupportedError('a sparse gradient of unknown size')
+                    sparse[s].append((v,) + specs)
+                elif g is not None:
+                    dense[s].append((v, spec_of(g)))
+        groups = []  # per cell: [[(variable, spec)] per dtype]
+        for s in range(S):
+            by_dtype = {}
+            for v, sp in dense[s]:
+                by_dtype.setdefault(sp.dtype, []).append((v, sp))
+            groups.append(list(by_dtype.values()))
+        self.grad_specs, self.float_in, self.wants = grad_specs, float_in, wants
+        self.dense, self.sparse, self.groups = dense, sparse, groups
+
+    def Run(self, fwd, micro_d_outputs, sums):
+        """Adds every weight gradient to `sums`; returns the gradient of the whole batch's
+        inputs (the structure of one micro-batch's inputs, None at non-float leaves)."""
+        runners, bd = self.runners, self.batch_dim
+        num_m, S = len(micro_d_outputs), len(runners)
+        devices = self.devices
+        in_specs = fwd.in_specs
+        grad_specs, float_in, wants = self.grad_specs, self.float_in, self.wants
+        sparse, groups = self.sparse, self.groups
+
+        dy = forward_loop.stacked(micro_d_outputs, grad_specs[-1], devices[-1])
+        steps, seeds = self.Locals()
+        new_list = lambda sp: tf.TensorArray(sp.dtype, size=num_m, infer_shape=False)  # noqa: E731
+        want_d_in = wants[0] == 'all'
+        state = dict(
+            clock=self.Clocks(),
+            # carry[s]: the gradient of cell s's float outputs, from cell s + 1's last tick.
+            carry=[
+                run_on(devices[s + 1], lambda s=s: [empty(sp) for sp in present(grad_specs[s])])
+                for s in range(S - 1)
+            ],
+            stash=list(fwd.stash),
+            dense=[
+                run_on(
+                    devices[s],
+                    lambda s=s: [
+                        tf.zeros([sum(sp.shape.num_elements() for _, sp in g)], g[0][1].dtype)
+                        for g in groups[s]
+                    ],
+                )
+                for s in range(S)
+            ],
+            sparse=[
+                run_on(
+                    devices[s],
+                    lambda s=s: [[new_list(vs), new_list(ix)] for _, vs, ix in sparse[s]],
+                )
+                for s in range(S)
+            ],
+            d_in=run_on(devices[0], lambda: [new_list(sp) for sp in float_in[0]])
+            if want_d_in
+            else [],
+        )
+        invariants = dict(
+            clock=[tf.TensorShape([])] * len(state['clock']),
+            carry=[
+                [forward_loop.relaxed(sp) for sp in present(grad_specs[s])] for s in range(S - 1)
+            ],
+            stash=[[tf.TensorShape(None)] * len(lists) for lists in state['stash']],
+            dense=[[t.shape for t in flats] for flats in state['dense']],
+            sparse=[[[tf.TensorShape(None)] * 2 for _ in lists] for lists in state['sparse']],
+            d_in=[tf.TensorShape(None)] * len(state['d_in']),
+        )
+        layouts = [
+            [tuple((sp.shape.num_elements(), True) for _, sp in g) for g in groups[s]]
+            for s in range(S)
+        ]
+
+        def inputs(state, s, m):
+            if s == 0:
+                return forward_loop.read_stacked(fwd.x0, in_specs[0], m)
+            it = iter(state['stash'][s])
+            index = tf.cast(m, tf.int32)
+            flat = [
+                None if sp is None else tf.ensure_shape(next(it).read(index), sp.shape)
+                for sp in tf.nest.flatten(in_specs[s])
+            ]
+            return tf.nest.pack_sequence_as(in_specs[s], flat)
+
+        def output_grads(state, s, m):
+            if s == S - 1:
+                return forward_loop.read_stacked(dy, grad_specs[s], m)
+            it = iter(state['carry'][s])
+            flat = [
+                None if sp is None else tf.ensure_shape(next(it), sp.shape)
+                for sp in tf.nest.flatten(grad_specs[s])
+            ]
+            return tf.nest.pack_sequence_as(grad_specs[s], flat)
+
+        def body(state):
+            new = dict(clock=self.Tick(state['clock']), carry=[None] * (S - 1))
+            for key in ('stash', 'dense', 'sparse'):
+                new[key] = list(state[key])
+            new['d_in'] = state['d_in']
+            for s, runner in enumerate(runners):
+                with distribute.on(runner.device):
+                    j = tf.cast(state['clock'][self.device_of(s)], tf.int64) - (S - 1 - s)
+                    m = num_m - 1 - j
+                    active = tf.logical_and(j >= 0, j < num_m)
+
+                    def run(s=s, runner=runner, m=m):
+                        index = tf.cast(m, tf.int32)
+                        d_x, d_vars = runner.Backward(
+                            inputs(state, s, m),
+                            None,
+                            output_grads(state, s, m),
+                            steps[s],
+                            seeds[s] + m,
+                            wants[s],
+                        )
+                        by_var = {v.ref(): g for v, g in d_vars}  # (variable, gradient) pairs
+                        sums_s = [
+                            add_flat(flat, [by_var[v.ref()] for v, _ in g], layout)
+                            for flat, g, layout in zip(state['dense'][s], groups[s], layouts[s])
+                        ]
+                        kept = [
+                            [
+                                vs.write(index, by_var[v.ref()].values),
+                                ix.write(index, by_var[v.ref()].indices),
+                            ]
+                            for (vs, ix), (v, _, _) in zip(state['sparse'][s], sparse[s])
+                        ]
+                        # The stash slot is used up: free it.
+                        stash = [
+                            ta.write(index, empty(sp))
+                            for ta, sp in zip(state['stash'][s], present(in_specs[s]))
+                        ]
+                        d_in = list(state['d_in'])
+                        if s == 0 and want_d_in:
+                            d_in = [ta.write(index, front(g, bd)) for ta, g in zip(d_in, d_x)]
+                        sent = list(d_x) if s > 0 else []
+                        return sent, sums_s, kept, stash, d_in
+
+                    def idle(s=s):
+                        sent = [empty(sp) for sp in float_in[s]] if s > 0 else []
+                        return (
+                            sent,
+                            list(state['dense'][s]),
+                            [list(p) for p in state['sparse'][s]],
+                            list(state['stash'][s]),
+                            list(state['d_in']),
+                        )
+
+                    sent, sums_s, kept, stash, d_in = tf.cond(active, run, idle)
+                    if s > 0:
+                        new['carry'][s - 1] = list(sent)
+                    new['dense'][s], new['sparse'][s] = list(sums_s), [list(p) for p in kept]
+                    new['stash'][s] = list(stash)
+                    if s == 0:
+                        new['d_in'] = list(d_in)
+            return (new,)
+
+        final = self.Loop(body, state, invariants, num_m + S - 1)
+
+        for s in range(S):
+            with distribute.on(devices[s]):
+                for g, flat in zip(groups[s], final['dense'][s]):
+                    sizes = [sp.shape.num_elements() for _, sp in g]
+                    pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
+                    for (v, sp), piece in zip(g, pieces):
+                        sums.Add(v, tf.reshape(piece, sp.shape))
+                for (v, _, _), (vs, ix) in zip(sparse[s], final['sparse'][s]):
+                    values, indices = vs.concat(), ix.concat()
+                    sums.Add(
+                        v, tf.IndexedSlices(values, indices, tf.shape(v, out_type=indices.dtype))
+                    )
+        if not want_d_in:
+            return tf.nest.map_structure(lambda _: None, in_specs[0])
+        with distribute.on(devices[0]):
+            it = iter([merged(ta, sp, bd, num_m) for ta, sp in zip(final['d_in'], float_in[0])])
+            return tf.nest.pack_sequence_as(
+                in_specs[0],
+                [
+                    next(it) if _float_spec(sp) is not None else None
+                    for sp in tf.nest.flatten(in_specs[0])
+                ],
+            )
+
+
+class FillDrain:
+    """gpipe's training FProp (one op under a tape) as two loops: the forward wave stashing
+    each cell's input, then, when the tape asks, the backward wave into `sums`."""
+
+    def __init__(self, runners, device_of, step, seed_base, batch_dim):
+        self.forward = forward_loop.ForwardLoop(runners, device_of, step, seed_base, batch_dim)
+        self.backward = BackwardLoop(runners, device_of, step, seed_base, batch_dim)
+        self.sums = ownership.GradientSums()
+        self.devices = self.forward.devices
+
+    def Forward(self, micro_inputs):
+        """The whole batch's outputs. Everything that can refuse (UnsupportedError) is
+        traced before the first loop is built."""
+        self.forward.Trace(micro_inputs, training=True)
+        # Traced with tapes recording: the backward's own tape must see the cell's ops.
+        self.backward.Prepare(self.forward)
+        with executor.stop_recording():  # the custom gradient is the outer tape's record
+            return self.forward.Run(micro_inputs, stash=True)
+
+    def Backward(self, micro_d_outputs):
+        """The gradient of the whole batch's inputs; the weights' in `sums`."""
+        return self.backward.Run(self.forward, micro_d_outputs, self.sums)
