@@ -20,20 +20,18 @@ import contextlib
 import types
 
 import tensorflow as tf
-from absl import logging
 
 from tf_gpipe import base_layer, fprop_context
 from tf_gpipe.gpipe import (
     backward_loop,
     executor,
-    forward_loop,
+    loop_choice,
     microbatch,
     ownership,
     partition,
     recompute,
     replication,
     schedules,
-    tick_loop,
 )
 from tf_gpipe.gpipe import cells as cell_plan
 from tf_gpipe.gpipe.recompute import CellRunner
@@ -83,9 +81,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define(
             'tick_loop',
             False,
-            'ComputeGradients runs the schedule as a tf.while_loop over clock ticks: a program '
-            'and start-up flat in M (tick_loop.py), for now a slower steady step and a higher '
-            'peak memory. False, or a step it cannot run (eager, a strategy, uneven '
+            'ComputeGradients runs the schedule as a tf.while_loop over clock ticks, and '
+            "gpipe's FProp under a tape as a forward and a backward loop: a program and "
+            'start-up flat in M (tick_loop.py, backward_loop.py), for now a slower steady step '
+            'and a higher peak memory. False, or a step it cannot run (eager, a strategy, uneven '
             'micro-batches; said in the log): the unrolled executor, one call per action, its '
             'program growing with M.',
         )
@@ -93,9 +92,9 @@ class PipelinedLayer(base_layer.BaseLayer):
             'eval_loop',
             True,
             "Eval's forward (FProp in eval mode) as a tf.while_loop over ticks: a program and "
-            "start-up flat in M, its steady step the unrolled wave's (forward_loop.py). False, "
-            'or a call it cannot run (eager, a strategy, uneven micro-batches; said in the '
-            'log): one call per cell and micro-batch.',
+            "start-up flat in M, a steady step about 1.1x the unrolled wave's with tiny cells "
+            '(forward_loop.py). False, or a call it cannot run (eager, a strategy, uneven '
+            'micro-batches; said in the log): one call per cell and micro-batch.',
         )
         return p
 
@@ -117,7 +116,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         # Fails early on a bad name (and checks M against the interleaved schedule).
         schedules.build(p.schedule, k, p.num_micro_batches, p.virtual_stages)
         # Plain caches, out of tf.Module's tracking (a checkpoint holds no schedules).
-        self._cache = types.SimpleNamespace(schedules={}, orders={}, unrolled_reasons=set())
+        self._cache = types.SimpleNamespace(schedules={}, orders={})
+        self._loops = loop_choice.LoopChoice(p)
         # Under mesh.strategy().scope() the strategy's replicas are the mesh's rows: one set of
         # cells whose variables have a copy per replica (cell k's on mesh[r][k]), run by
         # replica r on row r inside strategy.run. Otherwise R in-graph copies of the cells.
@@ -335,7 +335,13 @@ class PipelinedLayer(base_layer.BaseLayer):
             for r, micro in zip(self._LocalReplicas(), shards):
                 if not micro:
                     continue
-                loops = self._FillDrainLoops(r, micro, step)
+                loops = self._loops.FillDrain(
+                    self._runners[r],
+                    self.Schedule(len(micro)),
+                    micro,
+                    step,
+                    r * p.num_micro_batches,
+                )
                 if loops is not None:
                     runs.append(loops)
                     outs.append(loops.outputs)
@@ -439,7 +445,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                 continue
             sums = ownership.GradientSums()
             run = self._Executor(r, len(micro), step, sums, input_grads=False, head=head)
-            if self._RunTicks(run, micro, targets, return_outputs):
+            if self._loops.Ticks(run, micro, targets, return_outputs):
                 runs.append(run)
                 continue
             run.Feed(micro, targets)
@@ -471,28 +477,6 @@ class PipelinedLayer(base_layer.BaseLayer):
             outputs = _Unpack(microbatch.merge(merged, self.params.batch_dim))
         return loss, grads, outputs
 
-    def _RunTicks(self, run, micro, targets, return_outputs):
-        """Runs `run`'s actions as a tick loop when the step allows it; False otherwise (said
-        in the log, once per reason: the step's program then grows with M)."""
-        p = self.params
-        if not p.tick_loop:
-            return False
-        targets = None if targets is None or targets[0] is None else targets
-        why = tick_loop.unsupported(run.sched, p.recompute, micro, targets)
-        if why is None:
-            loop = tick_loop.TickLoop(
-                run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
-            )
-            try:
-                loop.Run(micro, targets, want_outputs=return_outputs)
-            except tick_loop.UnsupportedError as e:
-                why = str(e)
-        if why is not None:
-            self._LogUnrolled('tick_loop', why)
-            return False
-        run.losses, run.outputs = loop.losses, loop.outputs
-        return True
-
     def _CheckOwned(self, sums, variables):
         known = {v.ref() for v in variables}
         for s in sums:
@@ -514,7 +498,7 @@ class PipelinedLayer(base_layer.BaseLayer):
             if not micro:
                 continue
             sched = self.Schedule(len(micro))
-            merged = self._EvalLoop(r, sched, micro, step)
+            merged = self._loops.Eval(self._runners[r], sched, micro, step, r * p.num_micro_batches)
             if merged is not None:
                 outs.append(merged)
                 continue
@@ -529,61 +513,6 @@ class PipelinedLayer(base_layer.BaseLayer):
                 )
         with distribute.on(self._Row()[-1]):
             return _Unpack(microbatch.merge(outs, p.batch_dim))
-
-    def _EvalLoop(self, r, sched, micro, step):
-        """Replica r's eval as a loop over ticks (forward_loop.py), merged; None when this
-        call cannot run as one (said in the log once per reason: its program then grows with
-        M)."""
-        p = self.params
-        if not p.eval_loop or len(micro) == 1:
-            return None  # one micro-batch: one call per cell either way
-        why = forward_loop.unsupported(micro)
-        if why is None:
-            loop = forward_loop.ForwardLoop(
-                self._runners[r], sched.device_of, step, r * p.num_micro_batches, p.batch_dim
-            )
-            try:
-                loop.Trace(micro)
-                return loop.Run(micro)
-            except forward_loop.UnsupportedError as e:
-                why = str(e)
-        self._LogUnrolled('eval_loop', why)
-        return None
-
-    def _FillDrainLoops(self, r, micro, step):
-        """Replica r's training FProp as a forward and a backward loop (backward_loop.py),
-        its forward run; None when it runs unrolled (said in the log once per reason)."""
-        p = self.params
-        if not p.tick_loop or len(micro) == 1:
-            return None
-        why = forward_loop.unsupported(micro)
-        if why is None and p.recompute == 'never':
-            why = "recompute='never' (the loops keep each cell's input only, as 'always')"
-        if why is None:
-            loops = backward_loop.FillDrain(
-                self._runners[r],
-                self.Schedule(len(micro)).device_of,
-                step,
-                r * p.num_micro_batches,
-                p.batch_dim,
-            )
-            try:
-                loops.outputs = loops.Forward(micro)
-                return loops
-            except forward_loop.UnsupportedError as e:
-                why = str(e)
-        self._LogUnrolled('tick_loop', why)
-        return None
-
-    def _LogUnrolled(self, what, why):
-        if (what, why) not in self._cache.unrolled_reasons:
-            self._cache.unrolled_reasons.add((what, why))
-            logging.warning(
-                '%s: %s=True, but this call runs unrolled (its program grows with M): %s.',
-                self.params.name,
-                what,
-                why,
-            )
 
     def ExtendStep(self, inputs, state, t, max_len):
         """Decoding one step: replica 0's cells in order, each on its device with its own state

@@ -1,0 +1,55 @@
+"""loop_choice.py: which calls run as loops, and a log line once per reason when one cannot."""
+
+import tensorflow as tf
+
+from tf_gpipe import fprop_context, gpipe, layers
+from tf_gpipe.gpipe import loop_choice
+
+
+def _pipe(m=2, **kw):
+    fc = layers.FCLayer.Params().Set(input_dim=3, output_dim=3)
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=[fc.Copy().Set(name=f'fc{i}') for i in range(2)],
+            num_partitions=2,
+            partition_by='uniform',
+            num_micro_batches=m,
+            **kw,
+        )
+        .Instantiate()
+    )
+
+
+def test_params_decide_and_one_micro_batch_needs_no_loop():
+    p = gpipe.PipelinedLayer.Params().Set(name='pipe', tick_loop=False, eval_loop=False)
+    choice = loop_choice.LoopChoice(p)
+    assert choice.Eval(None, None, [1, 2], None, 0) is None  # asked for neither: not looked at
+    assert choice.FillDrain(None, None, [1, 2], None, 0) is None
+    p.Set(tick_loop=True, eval_loop=True)
+    assert choice.Eval(None, None, [1], None, 0) is None  # M=1: nothing to loop over
+    assert choice.FillDrain(None, None, [1], None, 0) is None
+
+
+def test_each_reason_is_logged_once_per_param(caplog):
+    pipe = _pipe(tick_loop=True)
+    uneven = tf.ones([5, 3])  # M=2: 3 and 2 examples
+
+    @tf.function(autograph=False)
+    def steps(x):
+        with fprop_context.eval_mode():
+            a = pipe.FProp(x)
+            b = pipe.FProp(x * 2.0)
+        with tf.GradientTape() as tape:
+            c = tf.reduce_sum(pipe.FProp(x))
+        return a, b, tape.gradient(c, pipe.trainable_variables)
+
+    steps(uneven)
+    lines = [r.getMessage() for r in caplog.records if 'runs unrolled' in r.getMessage()]
+    assert lines == [
+        'pipe: eval_loop=True, but this call runs unrolled (its program grows with M): '
+        'micro-batches of different sizes.',
+        'pipe: tick_loop=True, but this call runs unrolled (its program grows with M): '
+        'micro-batches of different sizes.',
+    ], lines
