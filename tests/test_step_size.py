@@ -1,16 +1,17 @@
 """The step's program does not grow with M beyond a constant per micro-batch, whatever L
-(the unrolled executor, tick_loop=False), and not at all (the tick loop, the default).
+(the unrolled executor, tick_loop=False, the default), and not at all (the tick loop).
 
 Counted, not timed: the nodes of a traced `ComputeGradients` step (outer graph; the function
-library holds each cell's F, B and W once) at two M and two L, for every schedule and policy.
-A cell body inlined per micro-batch (the engine before v3) adds nodes per micro-batch in
-proportion to the layers, and fails here.
+library holds each cell's F, B and W once) at two M and two L, for every schedule and policy;
+the same for eval's forward and gpipe's FProp under a tape, unrolled and as loops. A cell body
+inlined per micro-batch (the engine before v3) adds nodes per micro-batch in proportion to the
+layers, and fails here.
 """
 
 import pytest
 import tensorflow as tf
 
-from tf_gpipe import gpipe, layers
+from tf_gpipe import fprop_context, gpipe, layers
 
 K = 2
 
@@ -58,5 +59,47 @@ def test_nodes_per_micro_batch_do_not_depend_on_the_layers(schedule, policy, loo
     # Each action adds a call and a few ordering ops: a constant, the same for 4 and 12 layers.
     assert per_mb_many == per_mb_few, counts
     assert per_mb_few <= 40 * K, counts  # a small constant per micro-batch, not a cell body
+    if loop:
+        assert per_mb_few == 0, counts  # micro-batches are iterations
+
+
+def _call_nodes(num_layers, m, call, loop):
+    fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=[fc.Copy().Set(name=f'fc{i}') for i in range(num_layers)],
+            num_partitions=K,
+            partition_by='uniform',
+            num_micro_batches=m,
+            recompute='always',
+            tick_loop=loop,
+            eval_loop=loop,
+        )
+        .Instantiate()
+    )
+    x = tf.ones([2 * m, 4])
+
+    def step():
+        if call == 'eval':
+            with fprop_context.eval_mode():
+                return pipe.FProp(x)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(pipe.FProp(x) ** 2)
+        return tape.gradient(loss, pipe.trainable_variables)
+
+    return len(tf.function(step).get_concrete_function().graph.as_graph_def().node)
+
+
+@pytest.mark.parametrize('call', ['eval', 'fprop'])
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'loop'])
+def test_eval_and_fprop_nodes_per_micro_batch_do_not_depend_on_the_layers(call, loop):
+    few, many = 4, 12
+    counts = {(n, m): _call_nodes(n, m, call, loop) for n in (few, many) for m in (2, 4)}
+    per_mb_few = (counts[few, 4] - counts[few, 2]) / 2
+    per_mb_many = (counts[many, 4] - counts[many, 2]) / 2
+    assert per_mb_many == per_mb_few, counts
+    assert per_mb_few <= 40 * K, counts
     if loop:
         assert per_mb_few == 0, counts  # micro-batches are iterations
