@@ -5,7 +5,8 @@ grow with M.
 Compared on the same weights and dropout masks: K = 2 and 4, M = 3 and 4, 'always' and
 'except_last' (which the loops run as 'always': the same numbers, one more forward per cell),
 the inputs' and every weight's gradient, a sparse embedding gradient that stays sparse, a batch
-dimension other than 0; 'never' runs unrolled and the log says why.
+dimension other than 0, XLA-compiled cells (eval's loop too); 'never' runs unrolled and the
+log says why.
 """
 
 import numpy as np
@@ -121,3 +122,26 @@ def test_never_runs_unrolled_and_says_why(caplog):
     _close(got, want)
     assert _while_loops(step.get_concrete_function(x).graph) == 0
     assert "recompute='never'" in caplog.text and 'runs unrolled' in caplog.text
+
+
+def test_xla_cells():
+    from tf_gpipe import fprop_context
+
+    x = tf.random.stateless_normal([16, 6], [1, 2])
+    w = tf.random.stateless_normal([16, 6], [3, 4])
+    _, want = _grads(_pipe(False, jit_compile=True), x, w)
+    step, got = _grads(_pipe(True, jit_compile=True), x, w)
+    _close(got, want)
+    assert _while_loops(step.get_concrete_function(x).graph) == 2
+    outs = []
+    for loop in (False, True):
+        pipe = _pipe(False, jit_compile=True, eval_loop=loop)
+
+        @tf.function(autograph=False)
+        def run(x, pipe=pipe):
+            with fprop_context.eval_mode():
+                return pipe.FProp(x)
+
+        outs.append(run(x))
+        assert _while_loops(run.get_concrete_function(x).graph) == int(loop)
+    _close(outs[1], outs[0])
