@@ -507,6 +507,7 @@ def test_a_layer_used_twice_stays_one_set_of_weights():
         ('zero_bubble', {}),
         ('interleaved_1f1b', {'virtual_stages': 2}),
         ('1f1b', {'tick_loop': True}),  # full batches by the tick loop, the last one unrolled
+        ('gpipe', {'tick_loop': True}),  # FProp under a tape as two loops, any batch size
     ],
 )
 def test_every_schedule_trains_like_plain_keras(schedule, options):
