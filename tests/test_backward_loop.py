@@ -13,18 +13,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_gpipe import gpipe, layers
-
-
-def _sub(embedding=False):
-    fc = layers.FCLayer.Params().Set(input_dim=6, output_dim=6, activation='TANH')
-    drop = layers.DropoutLayer.Params().Set(keep_prob=0.7)
-    sub = [fc.Copy().Set(name='fc0'), drop.Copy().Set(name='drop0')]
-    sub += [fc.Copy().Set(name=f'fc{i}') for i in range(1, 4)]
-    if embedding:
-        emb = layers.EmbeddingLayer.Params().Set(vocab_size=5, embedding_dim=6)
-        sub = [emb.Set(name='emb')] + sub
-    return sub
+from tests.test_tick_loop import _sub  # the same FC stack with dropout (and an embedding)
+from tf_gpipe import gpipe
 
 
 def _pipe(loop, m=4, k=2, policy='always', embedding=False, **kw):

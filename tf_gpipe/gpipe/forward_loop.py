@@ -15,7 +15,7 @@ kept). `unsupported` names what the loop does not run (the caller runs the unrol
 import tensorflow as tf
 
 from tf_gpipe.gpipe import trace
-from tf_gpipe.gpipe.tick_loop import beside_input, run_on, spec_of
+from tf_gpipe.gpipe.tick_loop import beside_input, run_on, same_specs, spec_of
 from tf_gpipe.runtime import distribute
 
 
@@ -30,9 +30,8 @@ def unsupported(micro_inputs):
     first = [spec_of(t) for t in tf.nest.flatten(micro_inputs[0])]
     if any(s is not None and s.shape.rank is None for s in first):
         return 'an input of unknown rank'
-    for other in micro_inputs[1:]:
-        if [spec_of(t) for t in tf.nest.flatten(other)] != first:
-            return 'micro-batches of different sizes'
+    if not same_specs(micro_inputs):
+        return 'micro-batches of different sizes'
     return None
 
 

@@ -79,10 +79,15 @@ def unsupported(sched, policy, micro_inputs, micro_targets):
         first = [spec_of(t) for t in tf.nest.flatten(micro[0])]
         if any(s is not None and not s.shape.is_fully_defined() for s in first):
             return 'a micro-batch shape known only at run time'
-        for other in micro[1:]:
-            if [spec_of(t) for t in tf.nest.flatten(other)] != first:
-                return 'micro-batches of different sizes'
+        if not same_specs(micro):
+            return 'micro-batches of different sizes'
     return None
+
+
+def same_specs(micro):
+    """Whether every micro-batch has the first one's shapes and dtypes, as traced."""
+    first = [spec_of(t) for t in tf.nest.flatten(micro[0])]
+    return all([spec_of(t) for t in tf.nest.flatten(other)] == first for other in micro[1:])
 
 
 def spec_of(t):
