@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.test_backward_loop import _while_loops
 from tf_gpipe import fprop_context, gpipe, layers
 from tf_gpipe.gpipe import forward_loop
 
@@ -111,10 +112,6 @@ def test_what_it_cannot_run_falls_back_with_a_reason(caplog):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert not _while_loops(fn.get_concrete_function(x).graph)
     assert 'runs unrolled' in caplog.text and 'micro-batches of different sizes' in caplog.text
-
-
-def _while_loops(graph):
-    return any(op.type in ('While', 'StatelessWhile') for op in graph.get_operations())
 
 
 def test_keras_predict_and_evaluate_run_the_loop_like_plain_keras(caplog, monkeypatch):

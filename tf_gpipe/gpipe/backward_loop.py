@@ -14,7 +14,7 @@ concatenated along the batch dimension after the loop.
 import tensorflow as tf
 
 from tf_gpipe.gpipe import executor, forward_loop, ownership
-from tf_gpipe.gpipe.forward_loop import UnsupportedError, empty, front, merged, present
+from tf_gpipe.gpipe.forward_loop import UnsupportedError, empty, fill, front, merged, present
 from tf_gpipe.gpipe.tick_loop import add_flat, run_on, spec_of
 from tf_gpipe.runtime import distribute
 
@@ -44,7 +44,8 @@ class BackwardLoop(forward_loop.Wave):
                 in_specs[s], None, grad_specs[s], step_spec, step_spec, wants[s]
             )
             d_vars = fn.structured_outputs[-1]
-            dense.append([]), sparse.append([])
+            dense.append([])
+            sparse.append([])
             for v, g in zip(runner.read_variables, d_vars):
                 if isinstance(g, tf.IndexedSlices):
                     specs = (spec_of(g.values), spec_of(g.indices))
@@ -60,7 +61,7 @@ class BackwardLoop(forward_loop.Wave):
                 by_dtype.setdefault(sp.dtype, []).append((v, sp))
             groups.append(list(by_dtype.values()))
         self.grad_specs, self.float_in, self.wants = grad_specs, float_in, wants
-        self.dense, self.sparse, self.groups = dense, sparse, groups
+        self.sparse, self.groups = sparse, groups
 
     def Run(self, fwd, micro_d_outputs, sums):
         """Adds every weight gradient to `sums`; returns the gradient of the whole batch's
@@ -123,23 +124,13 @@ class BackwardLoop(forward_loop.Wave):
         def inputs(state, s, m):
             if s == 0:
                 return forward_loop.read_stacked(fwd.x0, in_specs[0], m)
-            it = iter(state['stash'][s])
             index = tf.cast(m, tf.int32)
-            flat = [
-                None if sp is None else tf.ensure_shape(next(it).read(index), sp.shape)
-                for sp in tf.nest.flatten(in_specs[s])
-            ]
-            return tf.nest.pack_sequence_as(in_specs[s], flat)
+            return fill(in_specs[s], [ta.read(index) for ta in state['stash'][s]])
 
         def output_grads(state, s, m):
             if s == S - 1:
                 return forward_loop.read_stacked(dy, grad_specs[s], m)
-            it = iter(state['carry'][s])
-            flat = [
-                None if sp is None else tf.ensure_shape(next(it), sp.shape)
-                for sp in tf.nest.flatten(grad_specs[s])
-            ]
-            return tf.nest.pack_sequence_as(grad_specs[s], flat)
+            return fill(grad_specs[s], state['carry'][s])
 
         def body(state):
             new = dict(clock=self.Tick(state['clock']), carry=[None] * (S - 1))
@@ -221,13 +212,10 @@ class BackwardLoop(forward_loop.Wave):
         if not want_d_in:
             return tf.nest.map_structure(lambda _: None, in_specs[0])
         with distribute.on(devices[0]):
-            it = iter([merged(ta, sp, bd, num_m) for ta, sp in zip(final['d_in'], float_in[0])])
-            return tf.nest.pack_sequence_as(
-                in_specs[0],
-                [
-                    next(it) if _float_spec(sp) is not None else None
-                    for sp in tf.nest.flatten(in_specs[0])
-                ],
+            return fill(
+                tf.nest.map_structure(_float_spec, in_specs[0]),
+                [merged(ta, sp, bd, num_m) for ta, sp in zip(final['d_in'], float_in[0])],
+                shaped=False,
             )
 
 
@@ -239,16 +227,16 @@ class FillDrain:
         self.forward = forward_loop.ForwardLoop(runners, device_of, step, seed_base, batch_dim)
         self.backward = BackwardLoop(runners, device_of, step, seed_base, batch_dim)
         self.sums = ownership.GradientSums()
-        self.devices = self.forward.devices
+        self.outputs = None  # the whole batch's, after Forward
 
     def Forward(self, micro_inputs):
-        """The whole batch's outputs. Everything that can refuse (UnsupportedError) is
-        traced before the first loop is built."""
+        """Runs the forward wave: `outputs`, the whole batch's. Everything that can refuse
+        (UnsupportedError) is traced before the first loop is built."""
         self.forward.Trace(micro_inputs, training=True)
         # Traced with tapes recording: the backward's own tape must see the cell's ops.
         self.backward.Prepare(self.forward)
         with executor.stop_recording():  # the custom gradient is the outer tape's record
-            return self.forward.Run(micro_inputs, stash=True)
+            self.outputs = self.forward.Run(micro_inputs, stash=True)
 
     def Backward(self, micro_d_outputs):
         """The gradient of the whole batch's inputs; the weights' in `sums`."""

@@ -152,7 +152,7 @@ class Executor:
             elif (s, m) in self.kept_set:
                 y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
             else:
-                with _stop_recording():
+                with stop_recording():
                     y = runner.Forward(x, targets, self.step, self._Mb(m))
             trace.end(t0, FORWARD, s, m, y)
         self._inputs[(s, m)] = x

@@ -59,6 +59,17 @@ def present(specs):
     return [sp for sp in tf.nest.flatten(specs) if sp is not None]
 
 
+def fill(specs, leaves, shaped=True):
+    """The structure of `specs` with `leaves`, in order, at its non-None leaves and None
+    elsewhere; `shaped`: each leaf given its spec's static shape (a micro-batch's)."""
+    it = iter(leaves)
+    flat = [
+        None if sp is None else tf.ensure_shape(next(it), sp.shape) if shaped else next(it)
+        for sp in tf.nest.flatten(specs)
+    ]
+    return tf.nest.pack_sequence_as(specs, flat)
+
+
 def front(x, batch_dim):
     """x with its batch dimension first (TensorArray.concat joins on the first)."""
     if batch_dim == 0:
@@ -223,12 +234,7 @@ class ForwardLoop(Wave):
         def inputs(state, s, m):
             if s == 0:
                 return read_stacked(self.x0, in_specs[0], m)
-            it = iter(state['carry'][s - 1])
-            flat = [
-                None if sp is None else tf.ensure_shape(next(it), sp.shape)
-                for sp in tf.nest.flatten(in_specs[s])
-            ]
-            return tf.nest.pack_sequence_as(in_specs[s], flat)
+            return fill(in_specs[s], state['carry'][s - 1])
 
         def body(state):
             new = dict(clock=self.Tick(state['clock']), carry=[None] * (S - 1))
@@ -265,8 +271,5 @@ class ForwardLoop(Wave):
         final = self.Loop(body, state, invariants, num_m + S - 1)
         self.stash = final['stash']
         with distribute.on(devices[-1]):
-            it = iter([merged(ta, sp, bd, num_m) for ta, sp in zip(final['out'], last_flat)])
-            return tf.nest.pack_sequence_as(
-                out_specs[-1],
-                [None if sp is None else next(it) for sp in tf.nest.flatten(out_specs[-1])],
-            )
+            outputs = [merged(ta, sp, bd, num_m) for ta, sp in zip(final['out'], last_flat)]
+            return fill(out_specs[-1], outputs, shaped=False)

@@ -67,7 +67,7 @@ class LoopChoice:
         if why is None:
             loops = backward_loop.FillDrain(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
-                loops.outputs = loops.Forward(micro)
+                loops.Forward(micro)
                 return loops
             except forward_loop.UnsupportedError as e:
                 why = str(e)
