@@ -91,6 +91,12 @@ startup-results: $(STAMP)
 	  --micro_batches=4,16,32 --output=$(RESULTS)/startup_fprop.json > $(RESULTS)/startup_fprop.txt
 	$(PY) tools/startup.py --measure=eval --compare_unrolled --num_stages=4 --layers=16 \
 	  --micro_batches=4,16,32 --output=$(RESULTS)/startup_eval.json > $(RESULTS)/startup_eval.txt
+	for m in train eval fprop; do \
+	  suffix=$$( [ $$m = train ] || echo _$$m ); \
+	  $(PY) tools/startup.py --workers --compare_unrolled --measure=$$m --num_stages=2 \
+	    --layers=4 --dim=128 --micro_batches=4,16 \
+	    --output=$(RESULTS)/startup_workers$$suffix.json \
+	    > $(RESULTS)/startup_workers$$suffix.txt || exit 1; done
 	$(MAKE) results-tables
 
 # The quick start's demo figures: both demos trained (and the translation decoded), measured.

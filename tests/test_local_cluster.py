@@ -60,6 +60,36 @@ with local_cluster.LocalCluster(2) as cluster:
     report['slot_devices'] = sorted({
         v.value.device for v in optimizer.variables if len(v.shape) > 0})
 
+    # The loops across processes: eval's runs unrolled by default (each tick would cross
+    # processes), as a loop when asked; a tick loop asked for runs, and the log says its cost.
+    import logging
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger('absl').addHandler(handler)
+    logging.getLogger('absl').setLevel(logging.INFO)
+    from tf_gpipe import fprop_context
+    want_eval = plain.FProp(x)
+    for eval_loop in (None, True):
+        looped = pipe.params.Copy().Set(eval_loop=eval_loop).Instantiate()  # the same weights
+
+        def evaluate(pipe=looped):
+            with fprop_context.eval_mode():
+                return pipe.FProp(x)
+
+        fn = tf.function(evaluate)
+        graph = fn.get_concrete_function().graph.as_graph_def()
+        report[f'eval_loop={eval_loop}'] = dict(
+            err=float(np.abs(fn().numpy() - want_eval.numpy()).max()),
+            loops=sum(f.signature.name.startswith('while_body') for f in graph.library.function),
+        )
+    looped = pipe.params.Copy().Set(tick_loop=True).Instantiate()
+    got = tf.function(lambda: loss_and_grads(looped))()
+    report['tick_loop_rel_grad_err'] = max(
+        float(np.abs(g - by_name[v.name]).max() / np.abs(by_name[v.name]).max())
+        for v, g in zip(looped.trainable_variables, got[1]))
+    report['log'] = [m for m in seen if 'TF task' in m]
+
     # A worker dies in the middle of a long step: the client gets an error, no hang.
     big = [layers.FCLayer.Params().Set(name=f'big{i}', input_dim=1024, output_dim=1024)
            for i in range(8)]
@@ -106,6 +136,22 @@ def test_pipeline_across_worker_processes():
     assert report['max_rel_grad_err'] < 1e-5
     assert report['losses_fall']
     assert report['slot_devices'] == report['variable_devices']
+    # Eval across processes: the unrolled wave by default, the loop when asked; both exact.
+    assert report['eval_loop=None'] == dict(err=report['eval_loop=None']['err'], loops=0)
+    assert report['eval_loop=True']['loops'] == 1
+    assert max(report['eval_loop=None']['err'], report['eval_loop=True']['err']) < 1e-5
+    assert report['tick_loop_rel_grad_err'] < 1e-5  # FProp's two loops across processes
+    across = 'its cells are on more than one TF task (each tick would cross processes)'
+    assert report['log'] == [
+        f'pipe: eval_loop=None (auto), but this call runs unrolled (its program grows with '
+        f'M): {across}.',
+        f'pipe: eval_loop=True, and {across}: its steady step is slower than the unrolled '
+        'one\'s there (docs/results.md, "Across processes"); eval_loop=None unless start-up '
+        'is the wall.',
+        f'pipe: tick_loop=True, and {across}: its steady step is slower than the unrolled '
+        'one\'s there (docs/results.md, "Across processes"); tick_loop=False unless start-up '
+        'is the wall.',
+    ], report['log']
     assert report['error'] == 'UnavailableError', report
     # Documented bound: a dead worker surfaces within 30 s (measured: well under a second
     # after the step that needs it).

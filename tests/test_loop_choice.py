@@ -48,8 +48,37 @@ def test_each_reason_is_logged_once_per_param(caplog):
     steps(uneven)
     lines = [r.getMessage() for r in caplog.records if 'runs unrolled' in r.getMessage()]
     assert lines == [
-        'pipe: eval_loop=True, but this call runs unrolled (its program grows with M): '
+        'pipe: eval_loop=None (auto), but this call runs unrolled (its program grows with M): '
         'micro-batches of different sizes.',
         'pipe: tick_loop=True, but this call runs unrolled (its program grows with M): '
         'micro-batches of different sizes.',
     ], lines
+
+
+def test_devices_of_several_tf_tasks_span_processes():
+    local = ['/device:CPU:0', '/job:localhost/replica:0/task:0/device:CPU:1', None]
+    assert not loop_choice.spans_tasks(local)  # logical devices of this process
+    assert not loop_choice.spans_tasks(['/job:worker/task:1/device:CPU:0'] * 2)
+    assert loop_choice.spans_tasks(
+        ['/job:worker/replica:0/task:0/device:CPU:0', '/job:worker/replica:0/task:1/device:CPU:0']
+    )
+    assert loop_choice.spans_tasks(['/device:CPU:0', '/job:worker/task:0/device:GPU:0'])
+
+
+def test_eval_across_tasks_runs_unrolled_by_default(caplog):
+    class Runner:
+        def __init__(self, task):
+            self.device = f'/job:worker/replica:0/task:{task}/device:CPU:0'
+
+    p = gpipe.PipelinedLayer.Params().Set(name='pipe')  # eval_loop=None: auto
+    choice = loop_choice.LoopChoice(p)
+    # absl's own logger level too: an earlier test in the process may have pinned it.
+    with tf.Graph().as_default(), caplog.at_level('INFO'), caplog.at_level('INFO', 'absl'):
+        micro = [tf.ones([2, 3]), tf.ones([2, 3])]
+        assert choice.Eval([Runner(0), Runner(1)], None, micro, None, 0) is None
+    lines = [r.getMessage() for r in caplog.records if 'TF task' in r.getMessage()]
+    assert lines == [
+        'pipe: eval_loop=None (auto), but this call runs unrolled (its program grows with M): '
+        'its cells are on more than one TF task (each tick would cross processes).'
+    ]
+    assert [r.levelname for r in caplog.records if 'TF task' in r.getMessage()] == ['INFO']

@@ -154,7 +154,9 @@ def test_each_tick_sends_only_the_boundary_messages():
         for n in inputs
         if not n.device and n.attr['dtype'].type != tf.resource.as_datatype_enum  # variables
     ]
-    assert unplaced == ['Const', 'Const', 'Const'], unplaced  # tick counter, its bound, t
+    # while_loop's own iteration counter and its bound (the tick counter t is on the first
+    # device, as is the loop's condition: no tick waits on an unplaced op, a client's there)
+    assert unplaced == ['Const', 'Const'], unplaced
     body = {f.signature.name: f for f in graph.library.function}[loop.attr['body'].func.name]
     nodes = {n.name: n for n in body.node_def}
     crossing = []

@@ -7,8 +7,10 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
     python tools/startup.py --measure=eval --compare_unrolled ...   # eval's forward (FProp)
     python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
+    python tools/startup.py --workers --compare_unrolled --num_stages=2 ...   # TF workers
 
-Each (K, L, M) runs in a fresh process with K logical CPUs: a warm-up op, then the plain
+Each (K, L, M) runs in a fresh process with K logical CPUs (--workers: K TF worker processes
+on 127.0.0.1, one core each): a warm-up op, then the plain
 sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
 Transformer stack (d=--dim, 2 heads, hidden 2d, batch 64 x 16 tokens). Per step: trace seconds
 (`get_concrete_function`), first-call seconds, nodes of the outer graph and of its function
@@ -57,6 +59,13 @@ MEASURE = flags.DEFINE_enum(
     "its loop on by default: --tick_loop picks it here). The schedule column reads 'fprop' or "
     "'eval' then.",
 )
+WORKERS = flags.DEFINE_bool(
+    'workers',
+    False,
+    'Each stage on its own TF worker process (127.0.0.1, one core each, as tools/benchmark.py) '
+    'instead of K logical CPUs of one process: what a loop costs when its ticks cross '
+    'processes.',
+)
 DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer layers (hidden 2d).')
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
 BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
@@ -103,30 +112,46 @@ def _steady_rounds(measured):
 
 def _child(spec):
     k, num_layers, m = (int(v) for v in spec.split(','))
-    from tf_gpipe.runtime import cluster
+    from tf_gpipe.runtime import cluster, local_cluster
 
-    cluster.logical_cpus(k)
+    if not WORKERS.value:
+        cluster.logical_cpus(k)
+        return _measure_all(k, num_layers, m, None)
+    cores = os.cpu_count() or 1
+    with local_cluster.LocalCluster(k, cores=[i % cores for i in range(k)]) as workers:
+        _measure_all(k, num_layers, m, workers.connect().devices())
+
+
+def _measure_all(k, num_layers, m, devices):
     import tensorflow as tf
 
     from tf_gpipe import fprop_context, gpipe, layers
     from tf_gpipe.nested_map import NestedMap
 
-    tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
-    dim = DIM.value
-    tr = layers.TransformerLayer.Params().Set(input_dim=dim, num_heads=HEADS, hidden_dim=2 * dim)
-    sub = [tr.Copy().Set(name=f'tr{i}') for i in range(num_layers)]
-    x = NestedMap(
-        vecs=tf.random.stateless_normal([BATCH.value, SEQ, dim], [1, 1]),
-        paddings=tf.zeros([BATCH.value, SEQ]),
-    )
-    targets = tf.random.stateless_normal([BATCH.value, SEQ, dim], [2, 2])
+    first = devices[0] if devices else None
+    # On workers every op is placed on one (an unplaced op would run on this client).
+    with tf.device(first):
+        tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
+        dim = DIM.value
+        tr = layers.TransformerLayer.Params().Set(
+            input_dim=dim, num_heads=HEADS, hidden_dim=2 * dim
+        )
+        sub = [tr.Copy().Set(name=f'tr{i}') for i in range(num_layers)]
+        x = NestedMap(
+            vecs=tf.random.stateless_normal([BATCH.value, SEQ, dim], [1, 1]),
+            paddings=tf.zeros([BATCH.value, SEQ]),
+        )
+        targets = tf.random.stateless_normal([BATCH.value, SEQ, dim], [2, 2])
+        plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
 
     def loss_fn(out, t):
         return tf.reduce_mean(tf.reduce_sum(out.vecs * t, -1))
 
-    plain = layers.SequentialLayer.Params().Set(name='plain', sub=sub).Instantiate()
-
     def plain_step(x, t):
+        with tf.device(first):
+            return _plain_step(x, t)
+
+    def _plain_step(x, t):
         if MEASURE.value == 'eval':
             with fprop_context.eval_mode():
                 return plain.FProp(x).vecs
@@ -157,6 +182,7 @@ def _child(spec):
                 virtual_stages=v,
                 tick_loop=loop,
                 eval_loop=loop,
+                devices=devices,
             )
             .Instantiate()
         )
@@ -164,10 +190,14 @@ def _child(spec):
         def pipe_step(x, t, pipe=pipe):
             if MEASURE.value == 'eval':
                 with fprop_context.eval_mode():
-                    return pipe.FProp(x).vecs
+                    out = pipe.FProp(x).vecs
+                with tf.device(devices[-1] if devices else None):
+                    return tf.identity(out)
             if MEASURE.value == 'fprop':
                 with tf.GradientTape() as tape:
-                    loss = loss_fn(pipe.FProp(x), t)
+                    out = pipe.FProp(x)
+                    with tf.device(devices[-1] if devices else None):
+                        loss = loss_fn(out, t)
                 return loss, tape.gradient(loss, pipe.trainable_variables)
             return pipe.ComputeGradients(x, t, loss_fn)
 
@@ -262,6 +292,7 @@ def main(argv):
                     f'--batch_size={BATCH.value}',
                     f'--dim={DIM.value}',
                     f'--measure={MEASURE.value}',
+                    f'--workers={WORKERS.value}',
                 ]
                 done = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if done.returncode:
@@ -289,6 +320,7 @@ def main(argv):
         model=(
             f'Transformer d={DIM.value}, {HEADS} heads, hidden {2 * DIM.value}, '
             f'batch {BATCH.value} x {SEQ}'
+            + (', each stage on a single-core TF worker process' if WORKERS.value else '')
         ),
         recompute=POLICY.value,
         measured=MEASURE.value,

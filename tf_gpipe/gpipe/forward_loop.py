@@ -163,7 +163,7 @@ class Wave:
     def Loop(self, body, state, invariants, ticks):
         with tf.compat.v1.device(beside_input):
             (final,) = tf.while_loop(
-                lambda state: state['clock'][0] < ticks,
+                lambda state: run_on(self.clock_devices[0], lambda: state['clock'][0] < ticks),
                 body,
                 (state,),
                 shape_invariants=(invariants,),

@@ -3,11 +3,31 @@
 A call runs as a loop when its params ask for it (`tick_loop` for training, `eval_loop` for
 eval) and the loop can run it; otherwise it runs unrolled (one call per action, its program
 growing with M) and the log says why, once per reason.
+
+Across processes (cells on more than one TF task) every tick of a loop crosses between them, and
+its steady step is much slower than the unrolled one's (docs/results.md, measured on single-core
+workers): eval's loop by default (`eval_loop=None`) then runs unrolled; a loop asked for
+explicitly (`tick_loop=True`, `eval_loop=True`) still runs and the log says what it costs.
 """
 
+import tensorflow as tf
 from absl import logging
 
 from tf_gpipe.gpipe import backward_loop, forward_loop, tick_loop
+
+ACROSS_TASKS = 'its cells are on more than one TF task (each tick would cross processes)'
+
+
+def spans_tasks(devices):
+    """True when `devices` (names, None for unplaced) belong to more than one TF task."""
+    tasks = set()
+    for name in devices:
+        if not name:
+            continue
+        spec = tf.DeviceSpec.from_string(name)
+        # A name without a job is this process's (job:localhost, task 0).
+        tasks.add((spec.job or 'localhost', spec.replica or 0, spec.task or 0))
+    return len(tasks) > 1
 
 
 class LoopChoice:
@@ -36,20 +56,27 @@ class LoopChoice:
         if why is not None:
             self._Unrolled('tick_loop', why)
             return False
+        self._AcrossTasks('tick_loop', run.runners)
         run.losses, run.outputs = loop.losses, loop.outputs
         return True
 
     def Eval(self, runners, sched, micro, step, seed_base):
         """One replica's eval as a forward loop, merged; None when it runs unrolled."""
         p = self.params
-        if not p.eval_loop or len(micro) == 1:
+        if p.eval_loop is False or len(micro) == 1:
             return None  # one micro-batch: one call per cell either way
         why = forward_loop.unsupported(micro)
+        if why is None and p.eval_loop is None and spans_tasks([r.device for r in runners]):
+            # By default the faster steady step: not a surprise, said at INFO.
+            self._Unrolled('eval_loop', ACROSS_TASKS, logging.info)
+            return None
         if why is None:
             loop = forward_loop.ForwardLoop(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
                 loop.Trace(micro)
-                return loop.Run(micro)
+                merged = loop.Run(micro)
+                self._AcrossTasks('eval_loop', runners)
+                return merged
             except forward_loop.UnsupportedError as e:
                 why = str(e)
         self._Unrolled('eval_loop', why)
@@ -68,18 +95,39 @@ class LoopChoice:
             loops = backward_loop.FillDrain(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
                 loops.Forward(micro)
+                self._AcrossTasks('tick_loop', runners)
                 return loops
             except forward_loop.UnsupportedError as e:
                 why = str(e)
         self._Unrolled('tick_loop', why)
         return None
 
-    def _Unrolled(self, param, why):
-        if (param, why) not in self._reasons:
-            self._reasons.add((param, why))
+    def _AcrossTasks(self, param, runners):
+        """A loop that runs across processes, asked for: slower there, said once per param."""
+        key = (param, ACROSS_TASKS)
+        if key not in self._reasons and spans_tasks([r.device for r in runners]):
+            self._reasons.add(key)
             logging.warning(
-                '%s: %s=True, but this call runs unrolled (its program grows with M): %s.',
+                "%s: %s=True, and %s: its steady step is slower than the unrolled one's there "
+                '(docs/results.md, "Across processes"); %s=%s unless start-up is the wall.',
                 self.params.name,
                 param,
+                ACROSS_TASKS,
+                param,
+                'None' if param == 'eval_loop' else 'False',
+            )
+
+    def _Unrolled(self, param, why, log=logging.warning):
+        if (param, why) not in self._reasons:
+            self._reasons.add((param, why))
+            log(
+                '%s: %s=%s, but this call runs unrolled (its program grows with M): %s.',
+                self.params.name,
+                param,
+                _value(getattr(self.params, param)),
                 why,
             )
+
+
+def _value(v):
+    return 'None (auto)' if v is None else v

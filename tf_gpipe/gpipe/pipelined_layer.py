@@ -90,11 +90,14 @@ class PipelinedLayer(base_layer.BaseLayer):
         )
         p.Define(
             'eval_loop',
-            True,
+            None,
             "Eval's forward (FProp in eval mode) as a tf.while_loop over ticks: a program and "
             "start-up flat in M, a steady step about 1.1x the unrolled wave's with tiny cells "
-            '(forward_loop.py). False, or a call it cannot run (eager, a strategy, uneven '
-            'micro-batches; said in the log): one call per cell and micro-batch.',
+            '(forward_loop.py). None (auto): the loop when the cells are in one process, the '
+            'unrolled wave when they span TF tasks (each tick would cross processes: slower). '
+            'True: the loop wherever it can run; False, or a call it cannot run (eager, a '
+            'strategy, uneven micro-batches; said in the log): one call per cell and '
+            'micro-batch.',
         )
         return p
 

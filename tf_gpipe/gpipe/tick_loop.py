@@ -504,7 +504,8 @@ class TickLoop:
                 ]
                 i = at('out', S - 1)
                 new['out'] = [ta.write(i, o) for ta, o in zip(state['out'], last.get('out', []))]
-            return t + 1, new
+            with distribute.on(devices[0]):
+                return t + 1, new
 
         # tf.while_loop returns the body's results through identities it makes itself, with
         # no device: placed by default on the first device, each would cost a send there and
@@ -514,9 +515,9 @@ class TickLoop:
         # them all on that device).
         with tf.compat.v1.device(beside_input):
             _, final = tf.while_loop(
-                lambda t, _: t < ticks,
+                lambda t, _: run_on(devices[0], lambda: t < ticks),
                 body,
-                (tf.constant(0), state),
+                (run_on(devices[0], lambda: tf.constant(0)), state),
                 maximum_iterations=ticks,
                 # Devices drift apart by up to DELAY ticks per hop: that many ticks in flight.
                 parallel_iterations=max(10, 2 * DELAY * K),

@@ -69,6 +69,8 @@ class GPipeModel(TrainSteps, keras.Model):
         start-up flat in M, for now a slower steady step and more memory.
       eval_loop: run evaluate() and predict() as a loop over ticks (PipelinedLayer.eval_loop):
         start-up flat in M, a steady step about 1.1x the unrolled one's with tiny layers.
+        None (the default): the loop when the devices are in one process, not across TF
+        tasks (slower there); True / False: always / never.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
 
@@ -87,7 +89,7 @@ class GPipeModel(TrainSteps, keras.Model):
         partition_by='flops',
         jit_compile=False,
         tick_loop=False,
-        eval_loop=True,
+        eval_loop=None,
         input_shape=None,
         input_dtype=None,
         name=None,

@@ -27,8 +27,10 @@ def PipelineParams():
     )
     p.Define(
         'eval_loop',
-        True,
-        "Eval's forward as a loop over ticks: start-up flat in M (PipelinedLayer.eval_loop).",
+        None,
+        "Eval's forward as a loop over ticks: start-up flat in M. None: in one process yes, "
+        'across TF tasks no (slower there); True / False: always / never '
+        '(PipelinedLayer.eval_loop).',
     )
     return p
 
