@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""
@@ -208,3 +210,16 @@ def test_workers_report_their_allocator_peak_and_the_link_is_measured():
     bandwidth, latency = report['link']
     assert bandwidth > 1e6 and 0 <= latency < 1.0, report
     assert 'TF_GPIPE_MEMORY_REPORT=1' in report['error'], report
+
+
+def test_a_started_cluster_refuses_a_second_start():
+    from tf_gpipe.runtime import local_cluster
+
+    cluster = local_cluster.LocalCluster(1)
+    cluster.processes = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])]
+    try:
+        with pytest.raises(RuntimeError, match='already started'):
+            cluster.start()
+    finally:
+        cluster.stop()
+    assert cluster.processes == []

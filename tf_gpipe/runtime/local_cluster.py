@@ -67,6 +67,12 @@ class LocalCluster:
         return [self.device(i) for i in range(self.num_workers)]
 
     def start(self):
+        if any(proc.poll() is None for proc in self.processes):
+            # A second set of workers would find the ports taken and never report ready.
+            raise RuntimeError(
+                'This LocalCluster is already started: use `with LocalCluster(...)` or '
+                'start(), not both (stop() it first to start it again).'
+            )
         env = {**os.environ, 'TF_CPP_MIN_LOG_LEVEL': '2', **self._env}
         for i in range(self.num_workers):
             cmd = [sys.executable, '-m', 'tf_gpipe.runtime.worker']
