@@ -128,7 +128,7 @@ def _measure_all(k, num_layers, m, devices):
     from tf_gpipe import fprop_context, gpipe, layers
     from tf_gpipe.nested_map import NestedMap
 
-    first = devices[0] if devices else None
+    first, last = (devices[0], devices[-1]) if devices else (None, None)
     # On workers every op is placed on one (an unplaced op would run on this client).
     with tf.device(first):
         tf.function(lambda: tf.reduce_sum(tf.ones([4, 4]) @ tf.ones([4, 4])))()  # warm-up
@@ -149,15 +149,12 @@ def _measure_all(k, num_layers, m, devices):
 
     def plain_step(x, t):
         with tf.device(first):
-            return _plain_step(x, t)
-
-    def _plain_step(x, t):
-        if MEASURE.value == 'eval':
-            with fprop_context.eval_mode():
-                return plain.FProp(x).vecs
-        with tf.GradientTape() as tape:
-            loss = loss_fn(plain.FProp(x), t)
-        return loss, tape.gradient(loss, plain.trainable_variables)
+            if MEASURE.value == 'eval':
+                with fprop_context.eval_mode():
+                    return plain.FProp(x).vecs
+            with tf.GradientTape() as tape:
+                loss = loss_fn(plain.FProp(x), t)
+            return loss, tape.gradient(loss, plain.trainable_variables)
 
     measured = [_measure(plain_step, (x, targets))]
     measured[0][0].update(kind='plain', schedule='')
@@ -191,12 +188,12 @@ def _measure_all(k, num_layers, m, devices):
             if MEASURE.value == 'eval':
                 with fprop_context.eval_mode():
                     out = pipe.FProp(x).vecs
-                with tf.device(devices[-1] if devices else None):
+                with tf.device(last):
                     return tf.identity(out)
             if MEASURE.value == 'fprop':
                 with tf.GradientTape() as tape:
                     out = pipe.FProp(x)
-                    with tf.device(devices[-1] if devices else None):
+                    with tf.device(last):
                         loss = loss_fn(out, t)
                 return loss, tape.gradient(loss, pipe.trainable_variables)
             return pipe.ComputeGradients(x, t, loss_fn)
