@@ -82,6 +82,8 @@ plan-results: $(STAMP)
 startup-results: $(STAMP)
 	$(PY) tools/startup.py --compare_unrolled --num_stages=2,4 --layers=8,16 \
 	  --micro_batches=4,16,32 --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
+	$(PY) tools/startup.py --notick_loop --num_stages=4 --layers=16 --micro_batches=4,16,32 \
+	  --output=$(RESULTS)/startup_unrolled.json > $(RESULTS)/startup_unrolled.txt
 	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt

@@ -378,10 +378,11 @@ def test_efficientnet_b0_with_dropout_and_stochastic_depth():
     pipe.compile(
         keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
-    # Eight steps: with dropout and stochastic depth on 8 examples a single step's loss is
-    # noisy (plain Keras's own rises in its second and fourth of these steps).
-    history = pipe.fit(x, y, batch_size=8, epochs=8, verbose=0).history['loss']
-    assert history[-1] < history[0] / 2, history
+    # With dropout, stochastic depth and batch norm on 8 examples a single step's loss is
+    # noisy (plain Keras's own rises in its second and fourth steps; on another CPU the
+    # pipeline's eighth step was above half the first): the last four of sixteen, on average.
+    history = pipe.fit(x, y, batch_size=8, epochs=16, verbose=0).history['loss']
+    assert np.mean(history[-4:]) < history[0] / 2, history
     plain.set_weights(pipe.get_weights())  # the trained weights (and moving averages)
     got, want = pipe.predict(x, verbose=0), plain(x, training=False).numpy()
     assert np.abs(want).max() > 1e-2

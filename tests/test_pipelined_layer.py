@@ -424,6 +424,8 @@ def _action_ops(event):
     """The ops whose outputs the action's end stamp waits for (the action's results)."""
     assert _is_stamp(event.end.op)
     token = event.end.op.inputs[1].op
+    assert token.type == 'PlaceholderWithDefault'  # opaque: no copy of _stamp per action
+    token = token.inputs[0].op
     return {op for op in token.control_inputs if not _is_stamp(op)}
 
 

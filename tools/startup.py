@@ -70,6 +70,12 @@ DIM = flags.DEFINE_integer('dim', 32, 'Model dimension d of the Transformer laye
 STEPS = flags.DEFINE_integer('steps', 5, 'Steady-step calls timed (median) after the first.')
 BATCH = flags.DEFINE_integer('batch_size', 64, 'Examples per step.')
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
+LABEL = flags.DEFINE_string(
+    'label',
+    '',
+    "Put before the engine's name in the result: what else the run measured (e.g. the commit "
+    'of the library, when this tool is run from an older checkout).',
+)
 CHILD = flags.DEFINE_string('child', '', 'Internal: "K,L,M" measured in this process.')
 
 HEADS, SEQ = 2, 16
@@ -307,7 +313,8 @@ def main(argv):
     result = dict(
         bench_common.run_metadata(),
         startup=True,
-        engine=(
+        engine=(f'{LABEL.value}: ' if LABEL.value else '')
+        + (
             ('eval loop (eval_loop=True)' if TICK_LOOP.value else 'unrolled (eval_loop=False)')
             if MEASURE.value == 'eval'
             else 'tick loop (tick_loop=True)'

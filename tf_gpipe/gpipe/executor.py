@@ -27,6 +27,7 @@ never cover more than one micro-batch at a time beyond the boundaries.
 import tensorflow as tf
 
 from tf_gpipe.gpipe import schedules, trace
+from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
@@ -73,7 +74,6 @@ class Executor:
         self.sched = sched
         self.step = step
         self.seed_base = seed_base
-        self._zero = None  # a run-time zero (see _Mb)
         self.sums = sums
         self.input_grads = input_grads
         self.kept_set = kept_micro_batches(sched, policy)
@@ -90,16 +90,21 @@ class Executor:
     # ---- feeding -----------------------------------------------------------------------------
 
     def Feed(self, micro_inputs, micro_targets=None):
-        for m, x in enumerate(micro_inputs):
-            self._inputs[(0, m)] = x
-        for m, t in enumerate(micro_targets or []):
-            self._targets[m] = t
+        # opaque: a micro-batch that Grappler could fold (a batch of ones cut in M) would give
+        # every micro-batch's call a function of its own at the first run (opaque.py).
+        with distribute.on(self.runners[0].device):
+            for m, x in enumerate(micro_inputs):
+                self._inputs[(0, m)] = opaque(x)
+        with distribute.on(self.runners[-1].device):
+            for m, t in enumerate(micro_targets or []):
+                self._targets[m] = opaque(t)
 
     def FeedOutputGrads(self, micro_d_outputs):
         """fprop mode: the caller's gradients of the last stage's outputs, per micro-batch."""
         last = self.sched.num_stages - 1
-        for m, dy in enumerate(micro_d_outputs):
-            self._d_out[(last, m)] = dy
+        with distribute.on(self.runners[-1].device):
+            for m, dy in enumerate(micro_d_outputs):
+                self._d_out[(last, m)] = opaque(dy)
 
     def Run(self, actions):
         for a in actions:
@@ -122,13 +127,8 @@ class Executor:
     # ---- actions -----------------------------------------------------------------------------
 
     def _Mb(self, m):
-        # Not a graph constant: Grappler's function optimizer specialises a call for each
-        # constant argument, which made every micro-batch's call a function of its own to
-        # optimise at the first run (start-up grew with M). Zero from the step, known at run time.
-        if self._zero is None:
-            step = tf.cast(self.step, tf.int64)
-            self._zero = step - step
-        return self._zero + tf.cast(self.seed_base + m, tf.int64)
+        # Not a graph constant, or each micro-batch's call would be a function of its own.
+        return opaque(tf.cast(self.seed_base + m, tf.int64))
 
     def _Device(self, stage):
         return self.sched.device_of(stage)
@@ -170,7 +170,8 @@ class Executor:
     def _OutputGrads(self, s, m):
         runner = self.runners[s]
         if runner.head is not None:  # d (weighted loss) = 1; nothing flows into the outputs
-            return (tf.nest.map_structure(lambda _: None, self.outputs[m]), tf.ones([]), None)
+            one = opaque(tf.ones([]))  # one tensor per micro-batch, never a constant
+            return (tf.nest.map_structure(lambda _: None, self.outputs[m]), one, None)
         dy = self._d_out.pop((s, m))
         return dy if isinstance(dy, tuple) else (dy,)
 
@@ -226,7 +227,7 @@ class Executor:
                 return
             if how == 'split':
                 # One scalar waits for the device's previous action, not each of W's inputs.
-                token = self._Ordered(s, tf.zeros([], tf.int32))
+                token = self._Ordered(s, opaque(tf.zeros([], tf.int32)))
                 t0 = trace.start([token, state[1]], runner.device)
                 d_vars = runner.SplitWeights(state, token)
             else:  # a recomputed micro-batch: re-derives the chain by recomputing the cell

@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import split_functions, weight_gradients
+from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
 # Keeps Grappler's function optimizer from inlining the calls (inlining would let common
@@ -262,6 +263,13 @@ class CellRunner:
         tape, sources, outputs = kept
         variables = self._NoteRead(tape.watched_variables())
         with distribute.on(self.device):
+            # TF would hand the call's derived backward a constant zero for each float output
+            # without a gradient, one more specialised copy per micro-batch (opaque.py).
+            outputs, output_grads = tf.nest.flatten(outputs), tf.nest.flatten(output_grads)
+            output_grads = [
+                opaque(tf.zeros_like(y)) if dy is None and _is_float(y) else dy
+                for y, dy in zip(outputs, output_grads)
+            ]
             d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
         return d_x, list(zip(variables, d_v)) if d_v else []
 
@@ -308,7 +316,9 @@ class CellRunner:
             for y, dy in zip(fns.flat_outputs, tf.nest.flatten(output_grads)):
                 if y.dtype.is_floating:
                     flat_dys.append(
-                        tf.zeros(tf.shape(y), y.dtype) if dy is None else tf.cast(dy, y.dtype)
+                        opaque(tf.zeros(tf.shape(y), y.dtype))
+                        if dy is None
+                        else tf.cast(dy, y.dtype)
                     )
         with distribute.on(self.device):
             d_x, d_unsplit, w_feeds = fns.Backward(residuals, flat_dys, want_inputs)
