@@ -15,6 +15,7 @@ kept). `unsupported` names what the loop does not run (the caller runs the unrol
 import tensorflow as tf
 
 from tf_gpipe.gpipe import trace
+from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.gpipe.tick_loop import beside_input, run_on, same_specs, spec_of
 from tf_gpipe.runtime import distribute
 
@@ -144,8 +145,7 @@ class Wave:
         """The step and the seed base as each cell's own copy (read at every tick)."""
         with distribute.on(self.devices[0]):
             step = tf.cast(self.step, tf.int64)
-            # A run-time value, not a constant (see executor.Executor._Mb).
-            seed_base = step - step + tf.cast(self.seed_base, tf.int64)
+            seed_base = opaque(tf.cast(self.seed_base, tf.int64))  # never a constant (opaque.py)
         steps = [run_on(d, lambda: tf.identity(step)) for d in self.devices]
         seeds = [run_on(d, lambda: tf.identity(seed_base)) for d in self.devices]
         return steps, seeds
