@@ -77,3 +77,16 @@ def test_a_forward_that_reads_what_it_writes_falls_back_to_an_unsplit_b():
     assert list(pipe._runners[0][0]._split.values()) == [None]
     assert float(loss) == 1.5 * 1.5 and [float(g) for g in grads] == [1.5, 1.5]
     assert [int(cell.sub[0].vars.count) for cell in pipe.cells] == [2, 2]
+
+
+def test_residuals_are_the_micro_batch_s_activations_not_copies_of_the_weights():
+    # F's residuals are what each kept micro-batch carries to its B and W. A weight as read
+    # (or cast: bfloat16 layers cast their float32 weights in the forward) is the same for
+    # every micro-batch, so B and W read it again instead of carrying a copy per micro-batch.
+    for dtype in (tf.float32, tf.bfloat16):
+        pipe = _pipe([_fc(f'fc{i}').Set(fprop_dtype=dtype) for i in range(6)])
+        _trace(pipe)
+        fns = list(pipe._runners[0][0]._split.values())[0]
+        shapes = [t.shape.as_list() for t in fns.residuals if t.dtype.is_floating]
+        # A micro-batch has 2 rows; a weight is 4 x 4 and a bias 4: no residual is either.
+        assert shapes and all(s[:1] == [2] for s in shapes), (dtype, shapes)

@@ -261,8 +261,11 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
         for t in op.outputs
         if t.ref() not in arg_refs and t.dtype == tf.resource
     }
-    b_reads = [t for t in _frontier(parts['b_ops']) if t.ref() not in captures]
-    w_feeds = [t for t in _frontier(parts['w_ops']) if t.ref() not in captures]
+    # What depends on no argument (a weight as read, cast or reshaped) is the same for every
+    # micro-batch: B and W read it again rather than carry a copy per micro-batch.
+    invariant = _Invariant(captures)
+    b_reads = [t for t in _frontier(parts['b_ops']) if not invariant(t)]
+    w_feeds = [t for t in _frontier(parts['w_ops']) if not invariant(t)]
     if any(t.op not in fwd_side and t.op not in b_side for t in b_reads + w_feeds):
         return None  # a tensor from outside the trace: no clean cut
     residuals, seen = [], set()
@@ -299,6 +302,42 @@ WRITE_OPS = frozenset(
         'ResourceStridedSliceAssign',
     ]
 )
+
+
+class _Invariant:
+    """Whether a tensor of the trace depends on the captured variable handles and constants
+    only: no argument (input, target, step, micro-batch) and no stateful op but a variable's
+    read (`build` refuses forwards that write what they read, so a read in B sees F's value)."""
+
+    def __init__(self, captures):
+        self._known = dict.fromkeys(captures, True)
+
+    def __call__(self, t):
+        # Depth first without recursion: a deep cell's forward is a chain of thousands of ops.
+        stack = [t]
+        while stack:
+            top = stack[-1]
+            if top.ref() in self._known:
+                stack.pop()
+                continue
+            op = top.op
+            if op.type == 'Placeholder' or op.control_inputs:
+                # an argument or an output gradient's placeholder; an ordered op
+                self._known[top.ref()] = False
+                stack.pop()
+                continue
+            if op.type != 'ReadVariableOp' and op.op_def.is_stateful:
+                self._known[top.ref()] = False
+                stack.pop()
+                continue
+            inputs = op.inputs[:1] if op.type == 'ReadVariableOp' else list(op.inputs)
+            pending = [x for x in inputs if x.ref() not in self._known]
+            if pending:
+                stack.extend(pending)
+                continue
+            self._known[top.ref()] = all(self._known[x.ref()] for x in inputs)
+            stack.pop()
+        return self._known[t.ref()]
 
 
 def _writes_read_resources(ops):
