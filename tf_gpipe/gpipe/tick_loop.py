@@ -32,7 +32,7 @@ unrolled executor then).
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import executor, schedules, trace
+from tf_gpipe.gpipe import carried, executor, schedules, trace
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
@@ -44,25 +44,6 @@ DELAY = 2
 _FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
 # A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
 _KEPT = {FORWARD: 'FK', BACKWARD: 'BK', WEIGHT: 'WK'}
-
-
-def _fusable(sched, kept):
-    """{(stage, m)} of kept micro-batches whose B directly follows their F on the last stage."""
-    last = sched.num_stages - 1
-    out = set()
-    if sched.split_backward:
-        return out  # zero-bubble's W must stay apart from B
-    for acts in sched.actions:
-        for a, b in zip(acts, acts[1:]):
-            if (
-                a.phase == FORWARD
-                and b.phase == BACKWARD
-                and a[1:] == b[1:]
-                and a.stage == last
-                and (a.stage, a.micro_batch) in kept
-            ):
-                out.add((a.stage, a.micro_batch))
-    return out
 
 
 def unsupported(sched, policy, micro_inputs, micro_targets):
@@ -95,13 +76,6 @@ def spec_of(t):
     return None if t is None else tf.TensorSpec(t.shape, t.dtype)
 
 
-def _empty(spec):
-    """What an action that does not produce a message sends: no rows (a scalar: zero)."""
-    if spec.shape.rank:
-        return tf.zeros([0] + spec.shape.as_list()[1:], spec.dtype)
-    return tf.zeros([], spec.dtype)
-
-
 def _is_float_spec(spec):
     return spec is not None and spec.dtype.is_floating
 
@@ -128,7 +102,7 @@ class _Stage:
         self.out_flat = tf.nest.flatten(self.out_struct)
         self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
         self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
-        self.res_pack = self.bw_pack = _Packing([])
+        self.res_slots = self.bw_slots = carried.Slots([])
 
     def OutputGradSpecs(self):
         """The output-gradient argument of the backward call, as specs."""
@@ -153,7 +127,7 @@ class TickLoop:
         self.seed_base = seed_base
         self.sums = sums
         kept = executor.kept_micro_batches(sched, policy)
-        self.fused = _fusable(sched, kept)
+        self.fused = executor.fusable(sched, kept)
         if policy == 'except_last' and not sched.split_backward:
             # A kept micro-batch whose B waits ticks for its output gradient (fill-drain's last
             # one on every cell but the last) would carry its residuals, which needs the cell
@@ -204,8 +178,6 @@ class TickLoop:
         return {
             'x': (FORWARD, 'FK'),
             'd': (BACKWARD, 'BK', _FB),
-            'res': ('FK',),
-            'bw': ('BK',) if split else (),
             'free': (WEIGHT, 'WK') if split else (BACKWARD, 'BK', _FB),
             # a sparse gradient: B's unsplit ones of a kept micro-batch, W of a recomputed one
             'sparse': (WEIGHT, 'BK') if split else (BACKWARD, 'BK', _FB),
@@ -282,7 +254,7 @@ class TickLoop:
         columns = {d: {} for d in range(K)}  # device -> {(what, stage): column}
         for s in range(S):
             d = sched.device_of(s)
-            for what, at in (('x', s - 1), ('d', s + 1), ('free', s), ('res', s), ('bw', s)):
+            for what, at in (('x', s - 1), ('d', s + 1), ('free', s)):
                 if 0 <= at < S:
                     columns[d][(what, at)] = None
             for what in ('sparse', 'out'):
@@ -307,7 +279,7 @@ class TickLoop:
                 ta = tf.TensorArray(
                     spec.dtype, size=num_m + 1, infer_shape=False, clear_after_read=False
                 )
-                return ta.write(num_m, _empty(spec))
+                return ta.write(num_m, carried.empty(spec))
 
         def present(flat):
             return [sp for sp in flat if sp is not None]
@@ -373,10 +345,10 @@ class TickLoop:
                 for sp in res_specs + bw_specs
             ):
                 raise UnsupportedError('a kept forward whose residuals have unknown shapes')
-            # Packed: one flat vector per dtype, not one loop variable per residual.
-            st.res_pack, st.bw_pack = _Packing(res_specs), _Packing(bw_specs)
-            state['res'][s] = [new_list(sp, st.device) for sp in st.res_pack.specs]
-            state['bw'][s] = [new_list(sp, st.device) for sp in st.bw_pack.specs]
+            # One list per dtype, a slot per tensor and micro-batch (see _Slots).
+            st.res_slots, st.bw_slots = carried.Slots(res_specs), carried.Slots(bw_specs)
+            state['res'][s] = st.res_slots.New(num_m, st.device)
+            state['bw'][s] = st.bw_slots.New(num_m, st.device)
         dense_vars = {d: [] for d in range(K)}  # device -> [(variable, gradient spec)]
         sparse_specs = {}  # (stage, variable ref) -> (values spec, indices spec)
         for s, st in enumerate(stages):
@@ -453,7 +425,7 @@ class TickLoop:
                 with distribute.on(stages[s].device):
                     i, j = at('x', s - 1), at('free', s)
                     newest = [
-                        ta.write(i, y).write(j, _empty(sp))
+                        ta.write(i, y).write(j, carried.empty(sp))
                         for ta, y, sp in zip(state['x'][s][0], sent, specs)
                     ]
                     # Older versions pass through, placed here too (an unplaced identity would
@@ -465,7 +437,7 @@ class TickLoop:
                 with distribute.on(stages[s].device):
                     i, j = at('d', s + 1), at('free', s)
                     newest = [
-                        ta.write(i, g).write(j, _empty(sp))
+                        ta.write(i, g).write(j, carried.empty(sp))
                         for ta, g, sp in zip(state['d'][s][0], sent, specs)
                     ]
                     new['d'][s] = [newest] + _on_device(state['d'][s][:-1])
@@ -477,16 +449,11 @@ class TickLoop:
                     new['sparse'][name] = [
                         ta.write(i, g) for ta, g in zip(state['sparse'][name], sent)
                     ]
+            # A kept micro-batch's residuals (and B's work for W): written, read and emptied
+            # inside the branches, so they only pass through here.
             for what in ('res', 'bw'):
-                for s, lists in state[what].items():
-                    sent = messages[sched.device_of(s)][what][s]
-                    specs = (stages[s].res_pack if what == 'res' else stages[s].bw_pack).specs
-                    with distribute.on(stages[s].device):
-                        i, j = at(what, s), at('free', s)
-                        new[what][s] = [
-                            ta.write(i, y).write(j, _empty(sp))
-                            for ta, y, sp in zip(lists, sent, specs)
-                        ]
+                for s in state[what]:
+                    new[what][s] = messages[sched.device_of(s)][what][s]
             for d in range(K):
                 new['dense'][d] = messages[d]['dense']
                 # A device starts its next tick's action once this one's is done: one action
@@ -544,36 +511,28 @@ class TickLoop:
         def default():
             msg = dict(
                 fwd={
-                    s: [_empty(sp) for sp in stages[s].out_flat if sp is not None]
+                    s: [carried.empty(sp) for sp in stages[s].out_flat if sp is not None]
                     for s in local
                     if s < S - 1
                 },
                 bwd={
-                    s: [_empty(stages[s].in_flat[i]) for i in stages[s].float_in]
+                    s: [carried.empty(stages[s].in_flat[i]) for i in stages[s].float_in]
                     for s in local
                     if s > 0
                 },
                 sparse={
-                    _key(s, ref, ctx.sparse_specs): [_empty(sp) for sp in specs]
+                    _key(s, ref, ctx.sparse_specs): [carried.empty(sp) for sp in specs]
                     for (s, ref), specs in ctx.sparse_specs.items()
                     if s in local
                 },
                 dense=list(state['dense'][d]),
-                res={
-                    s: [_empty(sp) for sp in stages[s].res_pack.specs]
-                    for s in local
-                    if s in state['res']
-                },
-                bw={
-                    s: [_empty(sp) for sp in stages[s].bw_pack.specs]
-                    for s in local
-                    if s in state['bw']
-                },
+                res={s: list(state['res'][s]) for s in local if s in state['res']},
+                bw={s: list(state['bw'][s]) for s in local if s in state['bw']},
             )
             if S - 1 in local:
                 msg['loss'] = [tf.zeros([]), tf.zeros([])]
                 if ctx.want_outputs:
-                    msg['out'] = [_empty(sp) for sp in stages[-1].out_flat if sp is not None]
+                    msg['out'] = [carried.empty(sp) for sp in stages[-1].out_flat if sp is not None]
             return msg
 
         if key == _IDLE:
@@ -643,26 +602,30 @@ class TickLoop:
                     t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
                 ]
                 y, residuals = fns.Forward(flat + [ctx.step[d], seed])
-                msg['res'][s] = st.res_pack.Pack(residuals)
+                msg['res'][s] = st.res_slots.Write(msg['res'][s], index, residuals)
                 forward_message(msg, y)
                 return msg
-            residuals = st.res_pack.Unpack(read(state['res'][s], st.res_pack.specs))
+            residuals = st.res_slots.Read(msg['res'][s], index)
             if kind == 'BK':
                 d_x, d_unsplit, w_feeds = fns.Backward(residuals, flat_dys(), s > 0)
                 if s > 0:
                     msg['bwd'][s] = list(d_x)
                 d_vars = list(zip(fns.unsplit_variables, d_unsplit))
                 if self.sched.split_backward:
-                    msg['bw'][s] = st.bw_pack.Pack([w_feeds[i] for i in fns.b_to_w_positions])
-                else:  # B and W of one backward, back to back
+                    b_to_w = [w_feeds[i] for i in fns.b_to_w_positions]
+                    msg['bw'][s] = st.bw_slots.Write(msg['bw'][s], index, b_to_w)
+                else:  # B and W of one backward, back to back: the last use
                     d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
                     d_vars += list(zip(fns.split_variables, d_split))
-            else:  # WK
-                b_to_w = st.bw_pack.Unpack(read(state['bw'][s], st.bw_pack.specs))
+                    msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
+            else:  # WK, the last use
+                b_to_w = st.bw_slots.Read(msg['bw'][s], index)
                 w_feeds = fns.WeightFeeds(residuals, flat_dys(), b_to_w)
                 d_vars = list(
                     zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), w_feeds))
                 )
+                msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
+                msg['bw'][s] = st.bw_slots.Free(msg['bw'][s], index)
             add_weight_grads(msg, d_vars)
             return msg
 
@@ -752,47 +715,6 @@ def add_flat(total, grads, layout):
         for size, present in layout
     ]
     return total + tf.concat(pieces, 0)
-
-
-class _Packing:
-    """Tensors of fixed shapes as one flat vector per dtype (and back), each way one call."""
-
-    def __init__(self, specs):
-        self.layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
-        self.dtypes = list(dict.fromkeys(sp.dtype for sp in specs))
-        self.specs = [
-            tf.TensorSpec([sum(sp.shape.num_elements() for sp in specs if sp.dtype == dt)], dt)
-            for dt in self.dtypes
-        ]
-
-    def Pack(self, tensors):
-        return list(_pack(list(tensors), self.layout, tuple(self.dtypes))) if tensors else []
-
-    def Unpack(self, flats):
-        return list(_unpack(list(flats), self.layout, tuple(self.dtypes))) if self.layout else []
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _pack(tensors, layout, dtypes):
-    return [
-        tf.concat([tf.reshape(t, [-1]) for t, (_, dt) in zip(tensors, layout) if dt == d], 0)
-        for d in dtypes
-    ]
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _unpack(flats, layout, dtypes):
-    offsets = dict.fromkeys(dtypes, 0)
-    out = []
-    for shape, dt in layout:
-        size = 1
-        for n in shape:
-            size *= n
-        start = offsets[dt]
-        flat = flats[dtypes.index(dt)]
-        out.append(tf.reshape(flat[start : start + size], shape))
-        offsets[dt] = start + size
-    return out
 
 
 def beside_input(op):

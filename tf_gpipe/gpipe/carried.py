@@ -1,0 +1,119 @@
+"""A kept micro-batch's tensors carried across the tick loop's ticks (its residuals, from F to
+B and W; under a split backward, what W reads of B's work).
+
+They live in TensorArrays, one per dtype, with slots per micro-batch: the action that makes
+them writes them, the last that reads them empties their slots, all inside the tick loop's
+branches, so an idle tick only passes the lists on. A large tensor has a slot of its own (no
+copy of it is ever made); the small ones are packed into one vector per dtype first, one
+slot each: a slot costs a few ops per write and read, a pack a copy, and with many small
+residuals (a Transformer cell has dozens per layer) slots everywhere made the loop's start-up
+and steady step slower (measured with tools/startup.py, d=32), while packing large ones had
+held a second copy of a micro-batch's activations at its forward (tools/peak_memory.py).
+"""
+
+import tensorflow as tf
+
+from tf_gpipe.runtime import distribute
+
+# Tensors of at least this many elements get a slot of their own (256 KiB of float32: the
+# few ops of a slot cost about what copying that much does on a CPU core).
+OWN_SLOT_ELEMENTS = 1 << 16
+
+
+class Slots:
+    """Where the tensors of `specs` (fully defined shapes) sit for each micro-batch."""
+
+    def __init__(self, specs):
+        self.specs = list(specs)
+        self._own = [sp.shape.num_elements() >= OWN_SLOT_ELEMENTS for sp in self.specs]
+        self._packing = Packing([sp for sp, own in zip(self.specs, self._own) if not own])
+        # What is written per micro-batch: the large tensors, then the packed vectors.
+        written = [sp for sp, own in zip(self.specs, self._own) if own] + self._packing.specs
+        self._written = written
+        self.dtypes = list(dict.fromkeys(sp.dtype for sp in written))
+        self._counts = [0] * len(self.dtypes)
+        self._where = []  # per written tensor: (its list, its slot within a micro-batch's)
+        for sp in written:
+            i = self.dtypes.index(sp.dtype)
+            self._where.append((i, self._counts[i]))
+            self._counts[i] += 1
+
+    def New(self, num_m, device):
+        """Empty lists for num_m micro-batches, on `device`."""
+        with distribute.on(device):
+            return [
+                tf.TensorArray(dt, size=num_m * n, infer_shape=False, clear_after_read=False)
+                for dt, n in zip(self.dtypes, self._counts)
+            ]
+
+    def Write(self, lists, m, tensors):
+        """`lists` with micro-batch m's `tensors` (in the order of `specs`) written."""
+        own = [t for t, o in zip(tensors, self._own) if o]
+        packed = self._packing.Pack([t for t, o in zip(tensors, self._own) if not o])
+        return self._Put(lists, m, own + packed)
+
+    def Read(self, lists, m):
+        """Micro-batch m's tensors, in the order of `specs`."""
+        base = [lists[i].read(m * self._counts[i] + r) for i, r in self._where]
+        base = [tf.ensure_shape(t, sp.shape) for t, sp in zip(base, self._written)]
+        num_own = sum(self._own)
+        own, small = iter(base[:num_own]), iter(self._packing.Unpack(base[num_own:]))
+        return [next(own) if o else next(small) for o in self._own]
+
+    def Free(self, lists, m):
+        """`lists` with micro-batch m's slots emptied (after its last read)."""
+        return self._Put(lists, m, [empty(sp) for sp in self._written])
+
+    def _Put(self, lists, m, written):
+        lists = list(lists)
+        for (i, r), t in zip(self._where, written):
+            lists[i] = lists[i].write(m * self._counts[i] + r, t)
+        return lists
+
+
+def empty(spec):
+    """What stands for a tensor that is not there: no rows (a scalar: zero)."""
+    if spec.shape.rank:
+        return tf.zeros([0] + spec.shape.as_list()[1:], spec.dtype)
+    return tf.zeros([], spec.dtype)
+
+
+class Packing:
+    """Tensors of fixed shapes as one flat vector per dtype (and back), each way one call."""
+
+    def __init__(self, specs):
+        self.layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
+        self.dtypes = list(dict.fromkeys(sp.dtype for sp in specs))
+        self.specs = [
+            tf.TensorSpec([sum(sp.shape.num_elements() for sp in specs if sp.dtype == dt)], dt)
+            for dt in self.dtypes
+        ]
+
+    def Pack(self, tensors):
+        return list(_pack(list(tensors), self.layout, tuple(self.dtypes))) if tensors else []
+
+    def Unpack(self, flats):
+        return list(_unpack(list(flats), self.layout, tuple(self.dtypes))) if self.layout else []
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _pack(tensors, layout, dtypes):
+    return [
+        tf.concat([tf.reshape(t, [-1]) for t, (_, dt) in zip(tensors, layout) if dt == d], 0)
+        for d in dtypes
+    ]
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _unpack(flats, layout, dtypes):
+    offsets = dict.fromkeys(dtypes, 0)
+    out = []
+    for shape, dt in layout:
+        size = 1
+        for n in shape:
+            size *= n
+        start = offsets[dt]
+        flat = flats[dtypes.index(dt)]
+        out.append(tf.reshape(flat[start : start + size], shape))
+        offsets[dt] = start + size
+    return out
