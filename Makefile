@@ -87,6 +87,10 @@ startup-results: $(STAMP)
 	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \
 	  --micro_batches=4,16 \
 	  --output=$(RESULTS)/startup_tick_loop_d256.json > $(RESULTS)/startup_tick_loop_d256.txt
+	$(PY) tools/startup.py --compare_unrolled --dim=256 --batch_size=256 --num_stages=4 \
+	  --layers=8 --micro_batches=8 --schedules=1f1b,gpipe --steps=7 \
+	  --output=$(RESULTS)/startup_tick_loop_d256_b256.json \
+	  > $(RESULTS)/startup_tick_loop_d256_b256.txt
 	$(PY) tools/startup.py --compare_unrolled --num_stages=8 --layers=64 --micro_batches=4,32 \
 	  --schedules=1f1b --output=$(RESULTS)/startup_k8_l64.json > $(RESULTS)/startup_k8_l64.txt
 	$(PY) tools/startup.py --measure=fprop --compare_unrolled --num_stages=4 --layers=16 \

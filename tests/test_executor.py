@@ -152,6 +152,34 @@ def test_except_last_keeps_what_is_backed_up_next():
     assert executor.kept_micro_batches(fill, 'except_last') == {(0, 3), (1, 3), (2, 3)}
 
 
+def test_a_kept_last_cell_backed_up_next_is_one_call_for_f_and_b():
+    """Such a micro-batch's F and B are one call: a backward call of its own would hold every
+    activation of the cell until its last weight gradient (peak memory, docs/engine.md)."""
+    one = schedules.build('1f1b', 3, 4)
+    kept = executor.kept_micro_batches(one, 'never')
+    assert executor.fusable(one, kept) == {(2, 0), (2, 1), (2, 2), (2, 3)}
+    fill = schedules.build('gpipe', 3, 4)
+    assert executor.fusable(fill, kept) == {(2, 3)}
+    assert executor.fusable(schedules.build('zero_bubble', 3, 4), kept) == set()
+
+    sub = [CountingLayer.Params().Set(name=f'c{i}') for i in range(3)]
+    pipe = _pipe(sub, 3, 4, 'never', '1f1b')
+    x = tf.ones([8, 2])
+    graph = (
+        tf.function(lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y)))
+        .get_concrete_function()
+        .graph
+    )
+    called = [
+        op.get_attr('f').name
+        for op in graph.get_operations()
+        if op.type in ('StatefulPartitionedCall', 'PartitionedCall')
+    ]
+    assert sum('ForwardBackward' in f for f in called) == 4, called
+    # The other two cells' kept micro-batches: a forward and TF's derived backward each.
+    assert sum('__backward_' in f for f in called) == 8, called
+
+
 def test_fprop_under_a_tape_needs_compute_gradients_for_other_schedules():
     pipe = _pipe(MODELS['fc']()[0], 2, 4, 'always', '1f1b')
     with pytest.raises(ValueError, match='use loss, grads = pipe.ComputeGradients'):

@@ -63,3 +63,28 @@ def test_each_schedules_peak_follows_its_high_water_mark():
     assert by['1f1b']['peak_bytes'] <= 0.5 * by['gpipe']['peak_bytes'], rows
     for name in ('interleaved_1f1b', 'zero_bubble'):
         assert 0.8 < by[name]['measured_vs_predicted'] < 1.25, rows
+
+
+@pytest.mark.idle
+def test_the_tick_loop_carries_kept_micro_batches_without_copies():
+    """A micro-batch kept across the tick loop's ticks costs what it costs the unrolled
+    executor: its activations, not a copy of them nor of the cell's weights (the loop had
+    packed both into one vector per micro-batch: 23-42 MiB more than the unrolled step at
+    gpipe's peak here, where a micro-batch's activations are 16 MiB). What is left, about 10
+    MiB, is the loop's flat gradient sums (one more set of the weights' gradients, 8 MiB)."""
+    args = [
+        '--layers=32',
+        '--width=256',
+        '--batch_size=4096',
+        '--num_micro_batches=8',
+        '--activation=RELU',
+        '--policies=never',
+        '--schedules=gpipe',
+    ]
+    loop = {r['setting'].split()[0]: r for r in _peak_memory(*args, '--tick_loop')}
+    unrolled = {r['setting'].split()[0]: r for r in _peak_memory(*args)}
+    micro_batch = 32 * (4096 // 8) * 256 * 4
+    assert loop['gpipe']['peak_bytes'] < unrolled['gpipe']['peak_bytes'] + micro_batch, (
+        loop,
+        unrolled,
+    )

@@ -56,6 +56,26 @@ def kept_micro_batches(sched, policy):
     return kept
 
 
+def fusable(sched, kept):
+    """{(stage, m)} of kept micro-batches whose B directly follows their F on the last stage:
+    one call does both (its activations live only inside it, freed as its backward goes)."""
+    last = sched.num_stages - 1
+    out = set()
+    if sched.split_backward:
+        return out  # zero-bubble's W must stay apart from B
+    for acts in sched.actions:
+        for a, b in zip(acts, acts[1:]):
+            if (
+                a.phase == FORWARD
+                and b.phase == BACKWARD
+                and a[1:] == b[1:]
+                and a.stage == last
+                and (a.stage, a.micro_batch) in kept
+            ):
+                out.add((a.stage, a.micro_batch))
+    return out
+
+
 class Executor:
     """One replica's pipeline run of `sched` over its cells.
 
@@ -77,6 +97,9 @@ class Executor:
         self.sums = sums
         self.input_grads = input_grads
         self.kept_set = kept_micro_batches(sched, policy)
+        # Loss mode only: the last stage's output gradient (d loss = 1) is known at its F.
+        self.fused = fusable(sched, self.kept_set) if runners[-1].head is not None else set()
+        self._fused = {}  # (stage, m) -> (d_x, [(variable, d_variable)]) from F's fused call
         self._inputs = {}  # (stage, m) -> boundary input (stored for recompute)
         self._targets = {}  # m -> targets of micro-batch m (last stage)
         self._kept = {}  # (stage, m) -> forward tape of a kept micro-batch
@@ -147,7 +170,15 @@ class Executor:
         with distribute.on(runner.device):
             x = self._Ordered(s, self._inputs[(s, m)])
             t0 = trace.start(x, runner.device)
-            if (s, m) in self.kept_set and self.sched.split_backward:
+            if (s, m) in self.fused:
+                # B's work too: a kept micro-batch's backward as a call of its own would hold
+                # every activation until its last weight gradient (a call frees its inputs
+                # only when it returns): one more set of weight gradients at the peak.
+                want = 'all' if s > 0 or self.input_grads else 'variables'
+                y, *self._fused[(s, m)] = runner.ForwardBackward(
+                    x, targets, opaque(tf.ones([])), self.step, self._Mb(m), want
+                )
+            elif (s, m) in self.kept_set and self.sched.split_backward:
                 y, self._kept[(s, m)] = runner.ForwardSplit(x, targets, self.step, self._Mb(m))
             elif (s, m) in self.kept_set:
                 y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
@@ -192,7 +223,9 @@ class Executor:
             x, kept = self._Stored(s, m, final=not split)
             t0 = trace.start(dy, runner.device)
             point_grads = []
-            if split and kept is not None:
+            if (s, m) in self._fused:  # done by F's call
+                d_x, d_vars = self._fused.pop((s, m))
+            elif split and kept is not None:
                 # Kept forward: B stops at the weights' uses, W finishes them locally.
                 d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x)
                 self._w_state[(s, m)] = ('split', w_state) if w_state else ('done', None)

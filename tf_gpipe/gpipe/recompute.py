@@ -161,9 +161,16 @@ class CellRunner:
 
     def _ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want):
         """A kept micro-batch whose backward comes right after its forward, as one call:
-        (outputs, d_inputs, d_variables); the forward is the real one (state updates run)."""
+        (outputs, d_inputs, d_variables); the forward is the real one (state updates run).
+        With a loss head, `output_grads` may be the weighted loss's gradient alone."""
         with distribute.on(self.device), self._Scope(step, micro_batch):
             tape, sources, outputs = self._RunTaped(inputs, targets)
+            if self.head is not None and not isinstance(output_grads, tuple):
+                output_grads = (
+                    tf.nest.map_structure(lambda _: None, outputs[0]),
+                    output_grads,
+                    None,
+                )
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (outputs,) + grads
