@@ -176,7 +176,7 @@ class Executor:
                 # only when it returns): one more set of weight gradients at the peak.
                 want = 'all' if s > 0 or self.input_grads else 'variables'
                 y, *self._fused[(s, m)] = runner.ForwardBackward(
-                    x, targets, opaque(tf.ones([])), self.step, self._Mb(m), want
+                    x, targets, self._LossGrad(), self.step, self._Mb(m), want
                 )
             elif (s, m) in self.kept_set and self.sched.split_backward:
                 y, self._kept[(s, m)] = runner.ForwardSplit(x, targets, self.step, self._Mb(m))
@@ -198,11 +198,14 @@ class Executor:
         else:
             self._inputs[(s + 1, m)] = y
 
+    def _LossGrad(self):
+        # d (weighted loss) = 1: one tensor per micro-batch, never a constant (opaque.py).
+        return opaque(tf.ones([]))
+
     def _OutputGrads(self, s, m):
         runner = self.runners[s]
         if runner.head is not None:  # d (weighted loss) = 1; nothing flows into the outputs
-            one = opaque(tf.ones([]))  # one tensor per micro-batch, never a constant
-            return (tf.nest.map_structure(lambda _: None, self.outputs[m]), one, None)
+            return (tf.nest.map_structure(lambda _: None, self.outputs[m]), self._LossGrad(), None)
         dy = self._d_out.pop((s, m))
         return dy if isinstance(dy, tuple) else (dy,)
 

@@ -345,7 +345,7 @@ class TickLoop:
                 for sp in res_specs + bw_specs
             ):
                 raise UnsupportedError('a kept forward whose residuals have unknown shapes')
-            # One list per dtype, a slot per tensor and micro-batch (see _Slots).
+            # One list per dtype, a slot per tensor and micro-batch (carried.Slots).
             st.res_slots, st.bw_slots = carried.Slots(res_specs), carried.Slots(bw_specs)
             state['res'][s] = st.res_slots.New(num_m, st.device)
             state['bw'][s] = st.bw_slots.New(num_m, st.device)
