@@ -171,6 +171,45 @@ def test_losses_that_cannot_be_shared_per_micro_batch_are_refused_by_name():
         pipe.fit(X, ys, verbose=0)
 
 
+def _batch_centred(y_true, y_pred):
+    """A loss that mixes examples: each prediction centred on the batch's mean."""
+    centred = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)
+    return tf.reduce_mean(tf.square(centred - tf.one_hot(tf.cast(y_true, tf.int32), 3)), -1)
+
+
+def _sparse_brier(y_true, y_pred):
+    """A per-example loss function (no reduction of its own)."""
+    return tf.reduce_sum(tf.square(y_pred - tf.one_hot(tf.cast(y_true, tf.int32), 3)), -1)
+
+
+@pytest.mark.parametrize('schedule', ['1f1b', 'zero_bubble'])
+def test_a_loss_that_mixes_examples_is_refused_under_a_per_micro_batch_loss(schedule):
+    """Found by trying: a batch-centred loss used to train silently differently under 1f1b
+    (each micro-batch centred on its own mean); fit and compute_gradients refuse it by name."""
+    pipe = GPipe(_classifier(), num_partitions=2, num_micro_batches=2, schedule=schedule)
+    pipe.compile(optimizer='sgd', loss=_batch_centred)
+    with pytest.raises(ValueError, match=r"compiled loss '_batch_centred' is not a sum over ex"):
+        pipe.fit(X, Y3, verbose=0)
+    with pytest.raises(ValueError, match=rf"the loss '_batch_centred'.*schedule={schedule!r}"):
+        pipe.compute_gradients(X, Y3, loss=_batch_centred)
+
+
+@pytest.mark.parametrize(
+    'loss', ['sparse_categorical_crossentropy', _sparse_brier], ids=['name', 'function']
+)
+def test_compute_gradients_takes_a_loss_name_or_a_function(loss):
+    """As compile() does (a function: per-example values, averaged); these used to raise."""
+    plain = _classifier()
+    pipe = GPipe(_classifier(), num_partitions=2, num_micro_batches=3, schedule='1f1b')
+    fn = keras.losses.get(loss)
+    with tf.GradientTape() as tape:
+        want_loss = tf.reduce_mean(fn(Y3, plain(X, training=True)))
+    want = tape.gradient(want_loss, plain.trainable_variables)
+    got_loss, got = pipe.compute_gradients(X, Y3, loss=loss)
+    np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=1e-5)
+    _assert_close(got, want)
+
+
 @pytest.mark.filterwarnings('ignore:Gradients do not exist')  # plain Keras's, as expected
 @pytest.mark.parametrize('schedule', ['gpipe', '1f1b'])
 def test_a_variable_no_loss_reaches_is_left_alone_as_in_plain_keras(schedule):

@@ -28,7 +28,7 @@ def reduction(model, schedule):
     ValueError naming them when they differ or cannot be shared out per micro-batch."""
     found = {
         name: _kind(loss)
-        for name, loss in _losses(model.loss, getattr(model, 'output_names', None) or [])
+        for name, loss in compiled_losses(model.loss, getattr(model, 'output_names', None) or [])
     }
     kinds = set(found.values())
     if len(kinds) > 1:
@@ -62,7 +62,7 @@ def _checked(kind, schedule):
     return kind
 
 
-def _losses(loss, names):
+def compiled_losses(loss, names):
     """(output name, loss) pairs of a compile() loss argument."""
     if isinstance(loss, dict):
         return [(k, v) for k, v in loss.items() if v is not None]

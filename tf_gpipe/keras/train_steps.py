@@ -9,13 +9,14 @@ averages once per step and dropout draws new masks at every training call, as in
 """
 
 import contextlib
+import re
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.keras import micro_loss
+from tf_gpipe.keras import loss_probe, micro_loss
 from tf_gpipe.runtime import distribute, placement
 
 
@@ -144,10 +145,9 @@ class TrainSteps:
                     'keras.losses.Loss), or compile the model with a loss.'
                 )
             kind, loss_of = micro_loss.reduction(self, schedule), self._CompiledLoss
+            loss_object = None
         else:
-            loss_object = keras.losses.get(loss)
-            if not isinstance(loss_object, keras.losses.Loss):
-                loss_object = keras.losses.LossFunctionWrapper(loss_object)
+            loss_object = _loss_object(loss)
             kind = micro_loss.reduction_of(loss_object, schedule)
 
             def loss_of(y_true, y_pred, weights):
@@ -156,7 +156,7 @@ class TrainSteps:
 
         with distribute.on(self._pipe.devices[-1]):
             loss_value, grads, _, _ = self._MicroBatchGradients(
-                x, y, sample_weight, loss_of, kind, None, None
+                x, y, sample_weight, loss_of, kind, None, None, loss_object
             )
         if loss is None:
             grads = self._WithoutGradient(grads, self.trainable_variables)
@@ -168,11 +168,15 @@ class TrainSteps:
         """A micro-batch's compiled loss (regularizers included), as Keras's compute_loss."""
         return self.compute_loss(y=y_true, y_pred=y_pred, sample_weight=weights)
 
-    def _MicroBatchGradients(self, x, y, sample_weight, loss_of, kind, step, scale_loss):
+    def _MicroBatchGradients(
+        self, x, y, sample_weight, loss_of, kind, step, scale_loss, loss_object=None
+    ):
         """(loss, grads lined up with trainable_variables, outputs, _Counts) of one step, the
         loss computed per micro-batch on the last stage: `loss_of(y, y_pred, sample_weight)`
         is a micro-batch's loss under reduction `kind` (regularizers included), shared out by
-        micro_loss. `step` None: the pipeline's own counter. Moves batch norm's averages."""
+        micro_loss. `loss_object`: the Keras loss inside `loss_of` (None: the compiled ones),
+        checked for mixing examples. `step` None: the pipeline's own counter. Moves batch
+        norm's averages."""
         targets = (y,) if sample_weight is None else (y, sample_weight)
         counts = self._Counts(x)
         total_weight = None
@@ -181,6 +185,7 @@ class TrainSteps:
                 kind = micro_loss.MEAN  # Keras divides by the count then
             else:
                 total_weight = self._SumWeights(sample_weight)
+        self._CheckShares(y, kind, loss_object)
         # Under a tf.distribute strategy Keras divides a mean loss by the number of replicas;
         # ComputeGradients already returns each replica's share of the global batch's loss.
         undo = 1 if kind == micro_loss.SUM else tf.distribute.get_strategy().num_replicas_in_sync
@@ -214,6 +219,58 @@ class TrainSteps:
         by_ref = {v.ref(): g for v, g in zip(self._pipe.trainable_variables, grads)}
         grads = [by_ref.get(backing(v).ref()) for v in self.trainable_variables]
         return loss, grads, self._Outputs(y_pred), counts
+
+    def _CheckShares(self, y, kind, loss_object):
+        """Refuses a loss that mixes examples (loss_probe), once per loss, reduction and
+        shapes; `loss_object` None: each compiled loss on its output."""
+        flat_pred = tf.nest.flatten(self._out_spec)
+        if loss_object is not None:
+            what = f'{self.name}: the loss {_loss_name(loss_object)!r}'
+            checks = [(loss_object, y, self._Pack(flat_pred), what)]
+        else:
+            checks = self._CompiledLosses(y, flat_pred)
+        weighted = kind == micro_loss.WEIGHTED_MEAN
+        done = self.__dict__.setdefault('_shares_checked', set())
+        for obj, y_true, y_pred, what in checks:
+            key = (id(obj), kind, repr(tf.nest.map_structure(_spec, (y_true, y_pred))))
+            if key in done:
+                continue
+            loss_probe.check(
+                lambda t, p, w, obj=obj: obj(t, p, sample_weight=w if weighted else None),
+                kind,
+                y_true,
+                y_pred,
+                what,
+                self._options['schedule'],
+            )
+            done.add(key)
+
+    def _CompiledLosses(self, y, flat_pred):
+        """(loss object, y_true, y_pred spec, description) per output with a compiled loss;
+        none when y cannot be matched to the outputs (then Keras itself refuses it)."""
+        names = list(getattr(self, 'output_names', None) or [])
+        if isinstance(y, dict):
+            flat_true = [y.get(name) for name in names]
+        elif len(flat_pred) == 1:
+            flat_true = [y]
+        elif isinstance(y, (list, tuple)) and len(y) == len(flat_pred):
+            flat_true = list(y)
+        else:
+            return []
+        if isinstance(self.loss, (dict, list, tuple)):
+            pairs = micro_loss.compiled_losses(self.loss, names)
+            by_output = {names.index(n) if n in names else int(n): v for n, v in pairs}
+        else:
+            by_output = {i: self.loss for i in range(len(flat_pred))}
+        checks = []
+        for i, loss in sorted(by_output.items()):
+            if loss is None or i >= len(flat_pred) or flat_true[i] is None:
+                continue
+            obj = _loss_object(loss)
+            name = f' of output {names[i]!r}' if len(flat_pred) > 1 and i < len(names) else ''
+            what = f'{self.name}: the compiled loss {_loss_name(obj)!r}{name}'
+            checks.append((obj, flat_true[i], flat_pred[i], what))
+        return checks
 
     def _WithoutGradient(self, grads, variables):
         """`grads` with None for the variables no compiled loss reaches (plain Keras's None:
@@ -278,3 +335,34 @@ class TrainSteps:
             )
         total = tf.reduce_sum(tf.cast(sample_weight, tf.float32))
         return distribute.all_reduce_sum(total) if distribute.in_replica_context() else total
+
+
+def _loss_object(loss):
+    """A keras.losses.Loss for a compile() or compute_gradients loss argument (a name, a
+    function of (y_true, y_pred) or a Loss)."""
+    obj = keras.losses.get(loss)
+    return obj if isinstance(obj, keras.losses.Loss) else _FunctionLoss(obj)
+
+
+class _FunctionLoss(keras.losses.Loss):
+    """A loss function as Keras's compile wraps one: per-example values, reduced by Keras's
+    default reduction ('sum_over_batch_size'). (Keras's own wrapper is not public.)"""
+
+    def __init__(self, fn):
+        # The name is a TF name scope: no leading underscore, no '<lambda>'.
+        name = re.sub(r'[^A-Za-z0-9_.]', '', getattr(fn, '__name__', '')).lstrip('_')
+        super().__init__(name=name or 'loss')
+        self.fn = fn
+
+    def call(self, y_true, y_pred):
+        return self.fn(y_true, y_pred)
+
+
+def _loss_name(obj):
+    fn = getattr(obj, 'fn', None)
+    return getattr(fn, '__name__', None) or getattr(obj, 'name', None) or type(obj).__name__
+
+
+def _spec(t):
+    """A tensor's shape and dtype, as a cache key."""
+    return None if t is None else (str(tf.TensorShape(t.shape)), str(t.dtype))
