@@ -1,6 +1,8 @@
 """GPipe(functional keras.Model): the graph read as a sequence of calls carrying the live
 tensors (tf_gpipe/keras/functional.py, keras/node.py), cut anywhere, exact."""
 
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -247,7 +249,7 @@ def _tagger(seed=4):
     return keras.Model(ids, out)
 
 
-def test_keras_ops_keyword_tensors_and_masked_outputs(tmp_path):
+def test_keras_ops_keyword_tensors_and_masked_outputs(tmp_path, caplog):
     ids, _ = _padded_ids()
     tags = np.random.RandomState(6).randint(0, 3, ids.shape)
     steps, *_ = functional.steps_of(_tagger())
@@ -261,7 +263,11 @@ def test_keras_ops_keyword_tensors_and_masked_outputs(tmp_path):
     for m in (plain, pipe):
         m.compile(keras.optimizers.SGD(0.1, momentum=0.9), loss)
     fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
-    got = pipe.fit(ids, tags, **fit).history['loss']
+    with caplog.at_level(logging.INFO):  # a masked loss: on the merged output, and said so
+        got = pipe.fit(ids, tags, **fit).history['loss']
+    assert 'merged output, after the last forward, not per micro-batch: an output carries' in (
+        caplog.text
+    )
     np.testing.assert_allclose(got, plain.fit(ids, tags, **fit).history['loss'], rtol=1e-5)
     _assert_same_weights(pipe, plain)
     # The loss skips padded tokens (as plain Keras's does), so their tags do not matter.

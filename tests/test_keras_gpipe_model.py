@@ -1,5 +1,6 @@
 """GPipe(keras.Sequential): trains exactly like the plain model, with Keras' whole workflow."""
 
+import logging
 import os
 
 import keras
@@ -150,6 +151,48 @@ def test_a_loss_that_mixes_the_batch_is_exact():
     fit = dict(batch_size=32, epochs=2, shuffle=False, verbose=0)
     _assert_same_history(pipe.fit(X, Y, **fit), plain.fit(X, Y, **fit))
     _assert_same_weights(pipe, plain)
+
+
+def _spied(pipe):
+    """The pipeline entry points a fit step traces: ['ComputeGradients'] or ['FProp']."""
+    calls = []
+    inner = pipe.pipeline
+    for name in ('ComputeGradients', 'FProp'):
+        method = getattr(inner, name)
+
+        def spy(*args, _name=name, _method=method, **kwargs):
+            calls.append(_name)
+            return _method(*args, **kwargs)
+
+        object.__setattr__(inner, name, spy)
+    return calls
+
+
+def test_fit_under_gpipe_computes_the_loss_per_micro_batch_unless_it_cannot(caplog):
+    """One training path: fit under 'gpipe' computes a shareable loss per micro-batch inside
+    the pipeline (ComputeGradients), as every schedule does; a loss that mixes examples goes
+    on the merged output (a tape over FProp), and the log says why."""
+    pipe = _compile(GPipe(_mlp(), num_partitions=2, num_micro_batches=4))
+    calls = _spied(pipe)
+    pipe.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+    assert set(calls) == {'ComputeGradients'}
+
+    def batch_centered_mse(y_true, y_pred):
+        centered = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)
+        return tf.reduce_mean(tf.square(centered - tf.one_hot(tf.cast(y_true, tf.int32), 3)), -1)
+
+    pipe = _compile(
+        GPipe(_mlp(), num_partitions=2, num_micro_batches=4), loss=batch_centered_mse, metrics=[]
+    )
+    calls = _spied(pipe)
+    with caplog.at_level(logging.INFO):
+        pipe.fit(X, Y, batch_size=32, epochs=1, verbose=0)
+    assert set(calls) == {'FProp'}
+    assert (
+        "fit under schedule='gpipe' computes the loss on the merged output, after the last "
+        "forward, not per micro-batch: the compiled loss 'batch_centered_mse' is not a sum "
+        'over examples'
+    ) in caplog.text
 
 
 def test_tf_data_input_and_a_partial_last_batch():

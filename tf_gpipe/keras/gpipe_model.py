@@ -3,10 +3,9 @@ cut into K cells and run by the PipelinedLayer.
 
 The returned `GPipeModel` is a keras.Model: compile/fit/evaluate/predict, callbacks, save and
 load work as for any Keras model. Its call runs the pipeline (the same schedule, recompute and
-gradient accumulation as every other tf_gpipe model), and Keras computes the loss and metrics
-on the merged output of the last cell. So the loss is the plain model's loss over the whole
-batch — for every loss reduction, sample weights and losses that mix examples — and every
-example updates the metrics once.
+gradient accumulation as every other tf_gpipe model). fit computes the compiled loss per
+micro-batch on the last cell, each micro-batch's share of the plain model's loss (train_steps);
+metrics see the merged output, so every example updates them once.
 """
 
 import keras

@@ -8,11 +8,10 @@ eagerly, when the step is traced: on 5 synthetic rows, and on rows 0-1 and 2-4 a
 whose value is not the sum of its parts' shares is refused by name.
 """
 
-import logging
-
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tf_gpipe.keras import micro_loss
 

@@ -1,11 +1,14 @@
 """How a pipelined Keras model trains: fit's train step and a custom loop's `compute_gradients`.
 
-Under schedule='gpipe' fit differentiates the pipeline's call with a tape and Keras computes the
-loss on the merged output, so any loss is exact. Other schedules start a micro-batch's backward
-before the last forward: the compiled loss is computed per micro-batch on the last stage, each
-micro-batch contributing its share of the batch's loss (micro_loss). A custom training loop gets
-the same through `compute_gradients`, for every schedule. Either way batch norm moves its
-averages once per step and dropout draws new masks at every training call, as in plain Keras.
+One training path: the compiled loss is computed per micro-batch on the last cell, inside the
+pipeline (`ComputeGradients`), each micro-batch contributing its share of the batch's loss
+(micro_loss), under every schedule. Under schedule='gpipe' a loss that cannot be shared out
+exactly (an output with a Keras mask, a loss that mixes examples, mixed reductions) is computed
+on the merged output instead, by a tape over the pipeline's call, and the log says why; other
+schedules refuse it by name. A custom training loop gets the per-micro-batch loss through
+`compute_gradients` and, under 'gpipe', may differentiate a training call. Either way batch norm
+moves its averages once per step and dropout draws new masks at every training call, as in
+plain Keras.
 """
 
 import contextlib
@@ -14,9 +17,11 @@ import re
 import keras
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
 from tf_gpipe import fprop_context
 from tf_gpipe.keras import loss_probe, micro_loss
+from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import distribute, placement
 
 
@@ -62,9 +67,10 @@ class TrainSteps:
     # ---- fit ---------------------------------------------------------------------------------
 
     def train_step(self, data):
-        if self._options['schedule'] != 'gpipe':
-            return self._ScheduledTrainStep(data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        if self._options['schedule'] != 'gpipe' or self._LossPerMicroBatch(y, sample_weight):
+            return self._ScheduledTrainStep(data)
+        # The loss on the merged output (a loss that cannot be shared out per micro-batch).
         # Loss, metrics and the start of the backward pass on the last stage, where the output
         # is (unplaced, they would run on a TF cluster's client); updates stay with their
         # variables (Keras colocates them).
@@ -82,6 +88,62 @@ class TrainSteps:
         # Batch norm: one moving-average update per step, from the whole batch's statistics.
         self._pipe.PostTrainingStepUpdate()
         return logs
+
+    def _LossPerMicroBatch(self, y, sample_weight):
+        """Whether fit under 'gpipe' computes the compiled loss per micro-batch inside the
+        pipeline, as every other schedule does (one training path: the last cell's backward
+        starts from its micro-batch's loss, the merged output needs no gradient). A loss that
+        cannot be shared out exactly is computed on the merged output instead, and the log
+        says why, once."""
+        why = None
+        try:
+            kind = micro_loss.reduction(self, 'gpipe')
+        except ValueError:
+            why = 'the compiled losses cannot be shared out per micro-batch by one reduction'
+        else:
+            if self._OutputsCarryMasks():
+                why = (
+                    'an output carries a Keras mask (Keras averages its loss over the unmasked '
+                    "entries of the whole batch, which a micro-batch's loss cannot know)"
+                )
+            elif self._options['recompute'] != 'never' and len(self._CompiledLosses(y)) > 1:
+                why = (
+                    'several outputs have losses (Keras tracks each one in the loss, a state '
+                    "update that a recomputed micro-batch would repeat; recompute='never' has none)"
+                )
+            elif kind == micro_loss.WEIGHTED_MEAN and isinstance(sample_weight, (dict, list)):
+                why = "sample weights per output with reduction 'mean_with_sample_weight'"
+            else:
+                if kind == micro_loss.WEIGHTED_MEAN and sample_weight is None:
+                    kind = micro_loss.MEAN
+                try:
+                    self._CheckShares(y, kind, None)
+                except ValueError as e:
+                    why = str(e).split(' (reduction')[0].split(': ', 1)[-1]
+        if why is None:
+            return True
+        said = self.__dict__.setdefault('_merged_loss_said', set())
+        if why not in said:
+            said.add(why)
+            logging.info(
+                "%s: fit under schedule='gpipe' computes the loss on the merged output, after "
+                'the last forward, not per micro-batch: %s.',
+                self.name,
+                why,
+            )
+        return False
+
+    def _OutputsCarryMasks(self):
+        """Whether an output of the pipeline carries a Keras mask (from the layers' metadata;
+        cached)."""
+        if '_carries_masks' not in self.__dict__:
+            p = self._pipe.params
+            shapes = p.input_shape if self._input_names is not None else (p.input_shape,)
+            meta = type(self._pipe).FPropMeta(p, *shapes)
+            self.__dict__['_carries_masks'] = any(
+                isinstance(out, NestedMap) for out in meta.out_shapes
+            )
+        return self.__dict__['_carries_masks']
 
     def _ScheduledTrainStep(self, data):
         """A training step under a schedule that needs the loss inside the pipeline: each
@@ -228,7 +290,7 @@ class TrainSteps:
             what = f'{self.name}: the loss {_loss_name(loss_object)!r}'
             checks = [(loss_object, y, self._Pack(flat_pred), what)]
         else:
-            checks = self._CompiledLosses(y, flat_pred)
+            checks = self._CompiledLosses(y)
         weighted = kind == micro_loss.WEIGHTED_MEAN
         done = self.__dict__.setdefault('_shares_checked', set())
         for obj, y_true, y_pred, what in checks:
@@ -245,9 +307,10 @@ class TrainSteps:
             )
             done.add(key)
 
-    def _CompiledLosses(self, y, flat_pred):
+    def _CompiledLosses(self, y):
         """(loss object, y_true, y_pred spec, description) per output with a compiled loss;
         none when y cannot be matched to the outputs (then Keras itself refuses it)."""
+        flat_pred = tf.nest.flatten(self._out_spec)
         names = list(getattr(self, 'output_names', None) or [])
         if isinstance(y, dict):
             flat_true = [y.get(name) for name in names]
