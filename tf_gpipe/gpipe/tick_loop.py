@@ -44,6 +44,7 @@ DELAY = 2
 _FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
 # A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
 _KEPT = {FORWARD: 'FK', BACKWARD: 'BK', WEIGHT: 'WK'}
+_STEP_SPEC = tf.TensorSpec([], tf.int64)  # the step's and the micro-batch number's spec
 
 
 def unsupported(sched, policy, micro_inputs, micro_targets):
@@ -74,6 +75,11 @@ def same_specs(micro):
 def spec_of(t):
     """t's TensorSpec (None for None)."""
     return None if t is None else tf.TensorSpec(t.shape, t.dtype)
+
+
+def _present(flat):
+    """The specs of a flat structure that are not None."""
+    return [sp for sp in flat if sp is not None]
 
 
 def _is_float_spec(spec):
@@ -187,11 +193,38 @@ class TickLoop:
     # ---- running ----------------------------------------------------------------------------
 
     def Run(self, micro_inputs, micro_targets, want_outputs=False):
-        sched, runners = self.sched, self.runners
+        """Builds the loop for these micro-batches and runs it: the stages' specs, the
+        per-device tables, a trace of every call the branches make, the initial state, then
+        `tf.while_loop` over the ticks; results in `losses`, `outputs` and `sums`."""
         num_m = len(micro_inputs)
-        S, K = sched.num_stages, sched.num_devices
-        step_spec = tf.TensorSpec([], tf.int64)
-        mb_spec = tf.TensorSpec([], tf.int64)
+        stages = self._Stages(micro_inputs, micro_targets)
+        table = self._Table()
+        keys = self._BranchKeys(table)
+        self._TraceGradients(stages, keys)
+        state, ctx = self._InitialState(stages, micro_inputs, micro_targets, want_outputs)
+        ctx.keys = keys
+        ctx.tables, ctx.columns, ctx.where = self._DeviceTables(table, keys, num_m)
+        ticks = len(ctx.tables[0])
+        devices = ctx.devices
+        # tf.while_loop returns the body's results through identities it makes itself, with
+        # no device: placed by default on the first device, each would cost a send there and
+        # back at every tick. The device function puts such an identity beside its input.
+        # The While op itself stays unplaced: TF then places each loop variable's Enter, Merge,
+        # Switch and NextIteration beside its initial value (a device given here would gather
+        # them all on that device).
+        with tf.compat.v1.device(beside_input):
+            _, final = tf.while_loop(
+                lambda t, _: run_on(devices[0], lambda: t < ticks),
+                lambda t, state: self._Tick(t, state, ctx),
+                (run_on(devices[0], lambda: tf.constant(0)), state),
+                maximum_iterations=ticks,
+                # Devices drift apart by up to DELAY ticks per hop: that many ticks in flight.
+                parallel_iterations=max(10, 2 * DELAY * self.sched.num_devices),
+            )
+        self._Collect(final, num_m, want_outputs)
+
+    def _Stages(self, micro_inputs, micro_targets):
+        """A _Stage per stage, each taking the previous one's output structure."""
         tgt_struct = (
             None
             if micro_targets is None or micro_targets[0] is None
@@ -199,24 +232,30 @@ class TickLoop:
         )
         stages = []
         in_struct = tf.nest.map_structure(spec_of, micro_inputs[0])
-        for s in range(S):
-            st = _Stage(s, runners[s], in_struct, tgt_struct, step_spec, mb_spec, sched)
+        for s in range(self.sched.num_stages):
+            st = _Stage(
+                s, self.runners[s], in_struct, tgt_struct, _STEP_SPEC, _STEP_SPEC, self.sched
+            )
             stages.append(st)
             in_struct = st.out_struct
+        return stages
 
-        table = self._Table()
-        ticks = len(table)
-        # Branches per device, in a fixed order: idle first.
-        keys = [[_IDLE] for _ in range(K)]
+    def _BranchKeys(self, table):
+        """Per device, its switch_case's branch keys in a fixed order, idle first."""
+        keys = [[_IDLE] for _ in range(self.sched.num_devices)]
         for row in table:
             for d, (kind, s, _) in enumerate(row):
                 if kind != _IDLE and (kind, s) not in keys[d]:
                     keys[d].append((kind, s))
-        branch_of = [{k: i for i, k in enumerate(ks)} for ks in keys]
+        return keys
 
-        # Trace every call the branches make (so the variables each stage reads are known),
-        # and find which gradients are dense (summed in the loop) or sparse (kept per m).
-        self._grad_kinds = {}  # stage -> [(variable, its gradient in a trace)]
+    def _TraceGradients(self, stages, keys):
+        """Traces every call the branches make (so the variables each stage reads are known)
+        and sets `_grad_kinds`: stage -> [(variable, its gradient in a trace)], from which the
+        dense gradients (summed in the loop) and sparse ones (kept per m) are told apart.
+        Cuts a kept micro-batch's cell into F, B and W (`fns`)."""
+        sched = self.sched
+        self._grad_kinds = {}
         for s, st in enumerate(stages):
             used = {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == s}
             kinds = {}
@@ -224,7 +263,7 @@ class TickLoop:
                 if st.runner._jit:
                     raise UnsupportedError('a kept micro-batch of an XLA-compiled cell')
                 st.fns = st.runner.Split(
-                    st.in_struct, st.tgt_struct, step_spec, mb_spec, split=sched.split_backward
+                    st.in_struct, st.tgt_struct, _STEP_SPEC, _STEP_SPEC, split=sched.split_backward
                 )
                 if st.fns is None:
                     raise UnsupportedError('a kept forward whose stateful ops need an order')
@@ -236,16 +275,23 @@ class TickLoop:
                     continue
                 fn = st.runner._forward_backward if kind == _FB else st.runner._backward
                 cf = fn.get_concrete_function(
-                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), step_spec, mb_spec, want
+                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC, want
                 )
                 for v, g in zip(st.runner.read_variables, cf.structured_outputs[-1]):
                     kinds[v.ref()] = (v, g)
             self._grad_kinds[s] = list(kinds.values())
 
-        # The per-tick table, one per device (built inside the loop body on that device, so no
-        # tick sends a device its own schedule): its branch, its micro-batch, and the indices
-        # of the list writes it does. A write index is m where stage s's action of one of the
-        # kinds writing `what` runs at that tick, else the spare slot num_m.
+    def _DeviceTables(self, table, keys, num_m):
+        """(tables, columns, where): per device, the per-tick table (built inside the loop
+        body on that device, so no tick sends a device its own schedule): its branch, its
+        micro-batch, and the indices of the list writes it does, in `columns[d][(what,
+        stage)]`; `where[(what, stage)]` is the device whose table has that column. A write
+        index is m where stage s's action of one of the kinds writing `what` runs at that
+        tick, else the spare slot num_m."""
+        sched = self.sched
+        S, K = sched.num_stages, sched.num_devices
+        branch_of = [{k: i for i, k in enumerate(ks)} for ks in keys]
+
         def write_index(s, what, row):
             kinds = self._Kinds(what)
             found = [m for kind, st_, m in row if st_ == s and kind in kinds]
@@ -272,17 +318,20 @@ class TickLoop:
                 + [write_index(st_, what, row) for what, st_ in keys_d]
                 for row in table
             ]
+        return tables, columns, where
 
-        # ---- initial state (no None leaves: loop state and branch outputs are tensors) -------
+    def _InitialState(self, stages, micro_inputs, micro_targets, want_outputs):
+        """(loop state, _Context). No None leaves: loop state and branch outputs are tensors."""
+        sched = self.sched
+        num_m = len(micro_inputs)
+        S, K = sched.num_stages, sched.num_devices
+
         def new_list(spec, device):
             with distribute.on(device):
                 ta = tf.TensorArray(
                     spec.dtype, size=num_m + 1, infer_shape=False, clear_after_read=False
                 )
                 return ta.write(num_m, carried.empty(spec))
-
-        def present(flat):
-            return [sp for sp in flat if sp is not None]
 
         with distribute.on(stages[0].device):
             x0 = [
@@ -291,11 +340,11 @@ class TickLoop:
                 if sp is not None
             ]
         tgt_flat = []
-        if tgt_struct is not None:
+        if stages[-1].tgt_struct is not None:
             with distribute.on(stages[-1].device):
                 tgt_flat = [
                     tf.stack([tf.nest.flatten(t)[i] for t in micro_targets])
-                    for i, sp in enumerate(tf.nest.flatten(tgt_struct))
+                    for i, sp in enumerate(tf.nest.flatten(stages[-1].tgt_struct))
                     if sp is not None
                 ]
         devices = [stages[d].device for d in range(K)]
@@ -309,7 +358,7 @@ class TickLoop:
         state = dict(
             # Per boundary, its last `versions` states, newest first (see `delay`).
             x={
-                s: [[new_list(sp, stages[s].device) for sp in present(stages[s].in_flat)]]
+                s: [[new_list(sp, stages[s].device) for sp in _present(stages[s].in_flat)]]
                 * delay(s - 1, s)
                 for s in range(1, S)
             },
@@ -329,7 +378,7 @@ class TickLoop:
             loss=run_on(stages[-1].device, lambda: [tf.zeros([]), tf.zeros([])]),
             # Each device counts the ticks itself: no tick sends it the loop counter.
             clock={d: run_on(devices[d], lambda: tf.zeros([], tf.int32)) for d in range(K)},
-            out=[new_list(sp, stages[-1].device) for sp in present(stages[-1].out_flat)]
+            out=[new_list(sp, stages[-1].device) for sp in _present(stages[-1].out_flat)]
             if want_outputs
             else [],
         )
@@ -393,103 +442,89 @@ class TickLoop:
             sparse_specs,
             want_outputs,
         )
+        ctx.devices = devices
         # The step and the seed base as every device's own copy (read at every tick).
         ctx.step = {d: run_on(devices[d], lambda: tf.identity(self.step)) for d in range(K)}
         ctx.seed_base = {
             d: run_on(devices[d], lambda: tf.cast(self.seed_base, tf.int64)) for d in range(K)
         }
+        return state, ctx
 
-        # ---- the body ------------------------------------------------------------------------
-        def body(t, state):
-            messages, rows = {}, {}
-            for d in range(K):
-                with distribute.on(devices[d]):
-                    rows[d] = tf.gather(tf.constant(tables[d], tf.int32), state['clock'][d])
-                    m = tf.cast(rows[d][1], tf.int64)
-                    fns = [self._Branch(key, d, m, state, ctx) for key in keys[d]]
-                    if len(fns) > 1:
-                        messages[d] = tf.switch_case(rows[d][0], fns)
-                    else:
-                        messages[d] = fns[0]()
+    def _Tick(self, t, state, ctx):
+        """The loop body: each device's action of this tick (its switch_case), then the
+        writes that carry the messages to the next ticks."""
+        sched, stages, devices = self.sched, ctx.stages, ctx.devices
+        S, K = sched.num_stages, sched.num_devices
+        messages, rows = {}, {}
+        for d in range(K):
+            with distribute.on(devices[d]):
+                rows[d] = tf.gather(tf.constant(ctx.tables[d], tf.int32), state['clock'][d])
+                m = tf.cast(rows[d][1], tf.int64)
+                fns = [self._Branch(key, d, m, state, ctx) for key in ctx.keys[d]]
+                if len(fns) > 1:
+                    messages[d] = tf.switch_case(rows[d][0], fns)
+                else:
+                    messages[d] = fns[0]()
 
-            def at(what, s):
-                d = where[(what, s)]
-                return rows[d][columns[d][(what, s)]]
+        def at(what, s):
+            d = ctx.where[(what, s)]
+            return rows[d][ctx.columns[d][(what, s)]]
 
-            new = dict(x={}, d={}, dense={}, sparse={}, res={}, bw={}, clock={})
-            # Boundary writes, on the consumer's device: the message at m (or the spare slot),
-            # then an empty tensor over what its last backward action used.
-            for s in range(1, S):
-                sent = messages[sched.device_of(s - 1)]['fwd'][s - 1]
-                specs = present(stages[s].in_flat)
-                with distribute.on(stages[s].device):
-                    i, j = at('x', s - 1), at('free', s)
-                    newest = [
-                        ta.write(i, y).write(j, carried.empty(sp))
-                        for ta, y, sp in zip(state['x'][s][0], sent, specs)
-                    ]
-                    # Older versions pass through, placed here too (an unplaced identity would
-                    # land on another device and cost a send per tick).
-                    new['x'][s] = [newest] + _on_device(state['x'][s][:-1])
-            for s in range(S - 1):
-                sent = messages[sched.device_of(s + 1)]['bwd'][s + 1]
-                specs = [sp for sp in stages[s].out_flat if _is_float_spec(sp)]
-                with distribute.on(stages[s].device):
-                    i, j = at('d', s + 1), at('free', s)
-                    newest = [
-                        ta.write(i, g).write(j, carried.empty(sp))
-                        for ta, g, sp in zip(state['d'][s][0], sent, specs)
-                    ]
-                    new['d'][s] = [newest] + _on_device(state['d'][s][:-1])
-            for s, ref in sparse_specs:
-                name = _key(s, ref, sparse_specs)
-                sent = messages[sched.device_of(s)]['sparse'][name]
-                with distribute.on(stages[s].device):
-                    i = at('sparse', s)
-                    new['sparse'][name] = [
-                        ta.write(i, g) for ta, g in zip(state['sparse'][name], sent)
-                    ]
-            # A kept micro-batch's residuals (and B's work for W): written, read and emptied
-            # inside the branches, so they only pass through here.
-            for what in ('res', 'bw'):
-                for s in state[what]:
-                    new[what][s] = messages[sched.device_of(s)][what][s]
-            for d in range(K):
-                new['dense'][d] = messages[d]['dense']
-                # A device starts its next tick's action once this one's is done: one action
-                # at a time per device, as the schedule (and its memory bound) assumes.
-                with (
-                    distribute.on(devices[d]),
-                    tf.control_dependencies(tf.nest.flatten(messages[d])),
-                ):
-                    new['clock'][d] = state['clock'][d] + 1
-            last = messages[sched.device_of(S - 1)]
-            with distribute.on(stages[-1].device):
-                new['loss'] = [
-                    state['loss'][0] + last['loss'][0],
-                    state['loss'][1] + last['loss'][1],
+        new = dict(x={}, d={}, dense={}, sparse={}, res={}, bw={}, clock={})
+        # Boundary writes, on the consumer's device: the message at m (or the spare slot),
+        # then an empty tensor over what its last backward action used.
+        for s in range(1, S):
+            sent = messages[sched.device_of(s - 1)]['fwd'][s - 1]
+            specs = _present(stages[s].in_flat)
+            with distribute.on(stages[s].device):
+                i, j = at('x', s - 1), at('free', s)
+                newest = [
+                    ta.write(i, y).write(j, carried.empty(sp))
+                    for ta, y, sp in zip(state['x'][s][0], sent, specs)
                 ]
-                i = at('out', S - 1)
-                new['out'] = [ta.write(i, o) for ta, o in zip(state['out'], last.get('out', []))]
-            with distribute.on(devices[0]):
-                return t + 1, new
-
-        # tf.while_loop returns the body's results through identities it makes itself, with
-        # no device: placed by default on the first device, each would cost a send there and
-        # back at every tick. The device function puts such an identity beside its input.
-        # The While op itself stays unplaced: TF then places each loop variable's Enter, Merge,
-        # Switch and NextIteration beside its initial value (a device given here would gather
-        # them all on that device).
-        with tf.compat.v1.device(beside_input):
-            _, final = tf.while_loop(
-                lambda t, _: run_on(devices[0], lambda: t < ticks),
-                body,
-                (run_on(devices[0], lambda: tf.constant(0)), state),
-                maximum_iterations=ticks,
-                # Devices drift apart by up to DELAY ticks per hop: that many ticks in flight.
-                parallel_iterations=max(10, 2 * DELAY * K),
-            )
-        self._Collect(final, num_m, want_outputs)
+                # Older versions pass through, placed here too (an unplaced identity would
+                # land on another device and cost a send per tick).
+                new['x'][s] = [newest] + _on_device(state['x'][s][:-1])
+        for s in range(S - 1):
+            sent = messages[sched.device_of(s + 1)]['bwd'][s + 1]
+            specs = [sp for sp in stages[s].out_flat if _is_float_spec(sp)]
+            with distribute.on(stages[s].device):
+                i, j = at('d', s + 1), at('free', s)
+                newest = [
+                    ta.write(i, g).write(j, carried.empty(sp))
+                    for ta, g, sp in zip(state['d'][s][0], sent, specs)
+                ]
+                new['d'][s] = [newest] + _on_device(state['d'][s][:-1])
+        for s, ref in ctx.sparse_specs:
+            name = _key(s, ref, ctx.sparse_specs)
+            sent = messages[sched.device_of(s)]['sparse'][name]
+            with distribute.on(stages[s].device):
+                i = at('sparse', s)
+                new['sparse'][name] = [ta.write(i, g) for ta, g in zip(state['sparse'][name], sent)]
+        # A kept micro-batch's residuals (and B's work for W): written, read and emptied
+        # inside the branches, so they only pass through here.
+        for what in ('res', 'bw'):
+            for s in state[what]:
+                new[what][s] = messages[sched.device_of(s)][what][s]
+        for d in range(K):
+            new['dense'][d] = messages[d]['dense']
+            # A device starts its next tick's action once this one's is done: one action
+            # at a time per device, as the schedule (and its memory bound) assumes.
+            with (
+                distribute.on(devices[d]),
+                tf.control_dependencies(tf.nest.flatten(messages[d])),
+            ):
+                new['clock'][d] = state['clock'][d] + 1
+        last = messages[sched.device_of(S - 1)]
+        with distribute.on(stages[-1].device):
+            new['loss'] = [
+                state['loss'][0] + last['loss'][0],
+                state['loss'][1] + last['loss'][1],
+            ]
+            i = at('out', S - 1)
+            new['out'] = [ta.write(i, o) for ta, o in zip(state['out'], last.get('out', []))]
+        with distribute.on(devices[0]):
+            return t + 1, new
 
     def _Want(self, kind, s):
         want_x = self._WantX(s)
