@@ -171,6 +171,22 @@ def test_losses_that_cannot_be_shared_per_micro_batch_are_refused_by_name():
         pipe.fit(X, ys, verbose=0)
 
 
+def test_several_outputs_losses_with_a_recomputed_last_cell_are_refused_by_name():
+    """Keras updates each output's loss tracker inside the loss; a recompute of the last cell
+    would repeat it (the engine's own error named an AssignVariableOp in 'compile_loss')."""
+    ys = [np.zeros((32, 2), 'float32'), np.zeros((32, 1), 'float32')]
+    pipe = GPipe(
+        _two_outputs(as_dict=False),
+        num_partitions=2,
+        num_micro_batches=2,
+        schedule='1f1b',
+        recompute='always',
+    )
+    pipe.compile(optimizer='sgd', loss=['mse', 'mse'])
+    with pytest.raises(ValueError, match=r"several outputs, and recompute='always' under sch"):
+        pipe.fit(X, ys, verbose=0)
+
+
 def _batch_centred(y_true, y_pred):
     """A loss that mixes examples: each prediction centred on the batch's mean."""
     centred = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)

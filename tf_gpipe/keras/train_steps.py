@@ -20,6 +20,7 @@ import tensorflow as tf
 from absl import logging
 
 from tf_gpipe import fprop_context
+from tf_gpipe.gpipe import executor
 from tf_gpipe.keras import loss_probe, micro_loss
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import distribute, placement
@@ -106,7 +107,7 @@ class TrainSteps:
                     'an output carries a Keras mask (Keras averages its loss over the unmasked '
                     "entries of the whole batch, which a micro-batch's loss cannot know)"
                 )
-            elif self._options['recompute'] != 'never' and len(self._CompiledLosses(y)) > 1:
+            elif self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
                 why = (
                     'several outputs have losses (Keras tracks each one in the loss, a state '
                     "update that a recomputed micro-batch would repeat; recompute='never' has none)"
@@ -132,6 +133,14 @@ class TrainSteps:
                 why,
             )
         return False
+
+    def _LastCellRecomputes(self):
+        """Whether the schedule and policy recompute a micro-batch of the last cell (its loss
+        then runs twice)."""
+        sched = self._pipe.Schedule()
+        kept = executor.kept_micro_batches(sched, self._options['recompute'])
+        last = sched.num_stages - 1
+        return any((last, m) not in kept for m in range(sched.num_micro_batches))
 
     def _OutputsCarryMasks(self):
         """Whether an output of the pipeline carries a Keras mask (from the layers' metadata;
@@ -248,6 +257,17 @@ class TrainSteps:
             else:
                 total_weight = self._SumWeights(sample_weight)
         self._CheckShares(y, kind, loss_object)
+        if loss_object is None and self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
+            o = self._options
+            raise ValueError(
+                f'{self.name}: compiled losses on several outputs, and recompute='
+                f'{o["recompute"]!r} under schedule={o["schedule"]!r} recomputes micro-batches '
+                "of the last cell, where the loss is computed: Keras's per-output loss "
+                'trackers are updated inside the loss computation, which a recompute would '
+                "repeat. Use recompute='never' (or 'except_last' under a 1f1b-like schedule, "
+                "where the last cell keeps its micro-batches), schedule='gpipe' (the loss on "
+                'the merged output), or one loss.'
+            )
         # Under a tf.distribute strategy Keras divides a mean loss by the number of replicas;
         # ComputeGradients already returns each replica's share of the global batch's loss.
         undo = 1 if kind == micro_loss.SUM else tf.distribute.get_strategy().num_replicas_in_sync
