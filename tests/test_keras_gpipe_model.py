@@ -185,7 +185,7 @@ def test_fit_under_gpipe_computes_the_loss_per_micro_batch_unless_it_cannot(capl
         GPipe(_mlp(), num_partitions=2, num_micro_batches=4), loss=batch_centered_mse, metrics=[]
     )
     calls = _spied(pipe)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, 'absl'):
         pipe.fit(X, Y, batch_size=32, epochs=1, verbose=0)
     assert set(calls) == {'FProp'}
     assert (

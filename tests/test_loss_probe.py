@@ -74,7 +74,7 @@ def test_a_loss_that_cannot_run_on_synthetic_rows_is_logged_not_refused(caplog):
         tf.debugging.assert_greater(tf.reduce_min(p), 2.0, message='wants big predictions')
         return tf.reduce_mean(p, -1)
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO), caplog.at_level(logging.INFO, 'absl'):
         _check(_Fn(picky), micro_loss.MEAN, TARGETS)
         _check(_Fn(lambda t, p: p), micro_loss.MEAN, tf.TensorSpec(None, tf.float32))
     assert 'fails on synthetic rows (InvalidArgumentError' in caplog.text
