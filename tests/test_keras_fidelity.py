@@ -187,6 +187,26 @@ def test_several_outputs_losses_with_a_recomputed_last_cell_are_refused_by_name(
         pipe.fit(X, ys, verbose=0)
 
 
+def test_per_output_sum_losses_in_history_are_the_plain_model_s_under_gpipe():
+    """Keras tracks each output's loss per call as a mean over rows: per micro-batch, a 'sum'
+    loss's tracked value would be a quarter of the batch's at M=4 (found by trying under
+    1f1b); under 'gpipe' such losses go on the merged output, so history is the plain one."""
+    ya = np.random.RandomState(1).randn(32, 2).astype('float32')
+    yb = np.random.RandomState(2).randn(32, 1).astype('float32')
+    histories = []
+    for pipelined in (False, True):
+        model = _two_outputs(as_dict=False)
+        if pipelined:
+            model = GPipe(model, num_partitions=2, num_micro_batches=4, recompute='never')
+        summed = keras.losses.MeanSquaredError(reduction='sum')
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=[summed, summed])
+        fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+        histories.append(model.fit(X, [ya, yb], **fit).history)
+    assert sorted(histories[1]) == sorted(histories[0])
+    for key, values in histories[0].items():
+        np.testing.assert_allclose(histories[1][key], values, rtol=1e-5, err_msg=key)
+
+
 def _batch_centred(y_true, y_pred):
     """A loss that mixes examples: each prediction centred on the batch's mean."""
     centred = y_pred - tf.reduce_mean(y_pred, axis=0, keepdims=True)

@@ -107,6 +107,12 @@ class TrainSteps:
                     'an output carries a Keras mask (Keras averages its loss over the unmasked '
                     "entries of the whole batch, which a micro-batch's loss cannot know)"
                 )
+            elif kind != micro_loss.MEAN and len(self._CompiledLosses(y)) > 1:
+                why = (
+                    f'several outputs have losses with reduction {kind!r} (Keras tracks each '
+                    "output's loss per call as a mean over rows, which per micro-batch is not "
+                    "the batch's value: history's per-output losses would differ)"
+                )
             elif self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
                 why = (
                     'several outputs have losses (Keras tracks each one in the loss, a state '
