@@ -24,10 +24,28 @@ class UnprobeableError(Exception):
 
 
 def check(loss_fn, kind, y_true, y_pred, what, schedule):
-    """Raises a ValueError naming `what` when `loss_fn(y_true, y_pred, weights)` (a scalar) is
-    not the sum of its micro-batch shares under reduction `kind`. `y_true` and `y_pred` are
-    nested structures of tensors (symbolic ones too) giving the dtypes and the inner shapes.
-    A loss that cannot run on synthetic rows is not checked (logged)."""
+    """Raises a ValueError naming `what` when `mismatch` finds one."""
+    found = mismatch(loss_fn, kind, y_true, y_pred, what)
+    if found:
+        raise ValueError(refusal(found, schedule))
+
+
+def refusal(found, schedule):
+    """The error for a `mismatch` under `schedule`."""
+    return (
+        f'{found}. schedule={schedule!r} computes the loss per micro-batch, so it would train '
+        "another loss than the plain model's (a loss that mixes examples: centring or "
+        "normalising over the batch, a batch statistic). Use schedule='gpipe' (the loss on the "
+        'merged output), or a mean or sum of per-example terms.'
+    )
+
+
+def mismatch(loss_fn, kind, y_true, y_pred, what):
+    """None when `loss_fn(y_true, y_pred, weights)` (a scalar) is the sum of its micro-batch
+    shares under reduction `kind`, else a sentence naming `what` that says by how much.
+    `y_true` and `y_pred` are nested structures of tensors (symbolic ones too) giving the
+    dtypes and the inner shapes. A loss that cannot run on synthetic rows is not checked
+    (logged)."""
     rng = np.random.RandomState(0)
     try:
         with tf.init_scope():
@@ -40,7 +58,7 @@ def check(loss_fn, kind, y_true, y_pred, what, schedule):
             parts = [_value(loss_fn, rows, s) for s in (slice(0, CUT), slice(CUT, ROWS))]
     except UnprobeableError as e:
         logging.info('%s: not checked for a loss that mixes examples (%s).', what, e)
-        return
+        return None
     except Exception as e:  # noqa: BLE001 - a user's loss may refuse synthetic rows
         logging.info(
             '%s: not checked for a loss that mixes examples: it fails on synthetic rows (%s: %s).',
@@ -48,7 +66,7 @@ def check(loss_fn, kind, y_true, y_pred, what, schedule):
             type(e).__name__,
             e,
         )
-        return
+        return None
     weights = rows[2].numpy().astype(np.float64)
     sizes = np.array([CUT, ROWS - CUT], np.float64)
     if kind == micro_loss.SUM:
@@ -60,17 +78,14 @@ def check(loss_fn, kind, y_true, y_pred, what, schedule):
     summed = float(np.dot(share, parts))
     if not np.isfinite(whole) or not np.isfinite(summed):
         logging.info('%s: not checked for a loss that mixes examples (not finite).', what)
-        return
-    if abs(whole - summed) > RTOL * (abs(whole) + np.dot(share, np.abs(parts)) + 1e-12):
-        raise ValueError(
-            f'{what} is not a sum over examples: on {ROWS} synthetic rows it is {whole:.6g}, '
-            f'but the shares of rows 0-{CUT - 1} and {CUT}-{ROWS - 1} computed alone add up to '
-            f'{summed:.6g} (reduction {kind!r}). schedule={schedule!r} computes the loss per '
-            "micro-batch, so it would train another loss than the plain model's (a loss that "
-            'mixes examples: centring or normalising over the batch, a batch statistic). Use '
-            "schedule='gpipe' (the loss on the merged output), or a mean or sum of "
-            'per-example terms.'
-        )
+        return None
+    if abs(whole - summed) <= RTOL * (abs(whole) + np.dot(share, np.abs(parts)) + 1e-12):
+        return None
+    return (
+        f'{what} is not a sum over examples: on {ROWS} synthetic rows it is {whole:.6g}, '
+        f'but the shares of rows 0-{CUT - 1} and {CUT}-{ROWS - 1} computed alone add up to '
+        f'{summed:.6g} (reduction {kind!r})'
+    )
 
 
 def _rows(spec, rng):

@@ -21,8 +21,7 @@ from absl import logging
 
 from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import executor
-from tf_gpipe.keras import loss_probe, micro_loss
-from tf_gpipe.nested_map import NestedMap
+from tf_gpipe.keras import layer_sequence, loss_probe, micro_loss
 from tf_gpipe.runtime import distribute, placement
 
 
@@ -102,18 +101,19 @@ class TrainSteps:
         except ValueError:
             why = 'the compiled losses cannot be shared out per micro-batch by one reduction'
         else:
+            several = len(self._CompiledLosses(y)) > 1
             if self._OutputsCarryMasks():
                 why = (
                     'an output carries a Keras mask (Keras averages its loss over the unmasked '
                     "entries of the whole batch, which a micro-batch's loss cannot know)"
                 )
-            elif kind != micro_loss.MEAN and len(self._CompiledLosses(y)) > 1:
+            elif kind != micro_loss.MEAN and several:
                 why = (
                     f'several outputs have losses with reduction {kind!r} (Keras tracks each '
                     "output's loss per call as a mean over rows, which per micro-batch is not "
                     "the batch's value: history's per-output losses would differ)"
                 )
-            elif self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
+            elif self._LastCellRecomputes() and several:
                 why = (
                     'several outputs have losses (Keras tracks each one in the loss, a state '
                     "update that a recomputed micro-batch would repeat; recompute='never' has none)"
@@ -123,10 +123,7 @@ class TrainSteps:
             else:
                 if kind == micro_loss.WEIGHTED_MEAN and sample_weight is None:
                     kind = micro_loss.MEAN
-                try:
-                    self._CheckShares(y, kind, None)
-                except ValueError as e:
-                    why = str(e).split(' (reduction')[0].split(': ', 1)[-1]
+                why = self._SharesMismatch(y, kind, None)
         if why is None:
             return True
         said = self.__dict__.setdefault('_merged_loss_said', set())
@@ -155,9 +152,7 @@ class TrainSteps:
             p = self._pipe.params
             shapes = p.input_shape if self._input_names is not None else (p.input_shape,)
             meta = type(self._pipe).FPropMeta(p, *shapes)
-            self.__dict__['_carries_masks'] = any(
-                isinstance(out, NestedMap) for out in meta.out_shapes
-            )
+            self.__dict__['_carries_masks'] = layer_sequence.carries_mask(list(meta.out_shapes))
         return self.__dict__['_carries_masks']
 
     def _ScheduledTrainStep(self, data):
@@ -222,7 +217,6 @@ class TrainSteps:
                     'keras.losses.Loss), or compile the model with a loss.'
                 )
             kind, loss_of = micro_loss.reduction(self, schedule), self._CompiledLoss
-            loss_object = None
         else:
             loss_object = _loss_object(loss)
             kind = micro_loss.reduction_of(loss_object, schedule)
@@ -233,7 +227,7 @@ class TrainSteps:
 
         with distribute.on(self._pipe.devices[-1]):
             loss_value, grads, _, _ = self._MicroBatchGradients(
-                x, y, sample_weight, loss_of, kind, None, None, loss_object
+                x, y, sample_weight, loss_of, kind, None, None, loss
             )
         if loss is None:
             grads = self._WithoutGradient(grads, self.trainable_variables)
@@ -246,13 +240,13 @@ class TrainSteps:
         return self.compute_loss(y=y_true, y_pred=y_pred, sample_weight=weights)
 
     def _MicroBatchGradients(
-        self, x, y, sample_weight, loss_of, kind, step, scale_loss, loss_object=None
+        self, x, y, sample_weight, loss_of, kind, step, scale_loss, custom_loss=None
     ):
         """(loss, grads lined up with trainable_variables, outputs, _Counts) of one step, the
         loss computed per micro-batch on the last stage: `loss_of(y, y_pred, sample_weight)`
         is a micro-batch's loss under reduction `kind` (regularizers included), shared out by
-        micro_loss. `loss_object`: the Keras loss inside `loss_of` (None: the compiled ones),
-        checked for mixing examples. `step` None: the pipeline's own counter. Moves batch
+        micro_loss. `custom_loss`: compute_gradients' loss argument inside `loss_of` (None:
+        the compiled ones), checked for mixing examples. `step` None: the pipeline's own counter. Moves batch
         norm's averages."""
         targets = (y,) if sample_weight is None else (y, sample_weight)
         counts = self._Counts(x)
@@ -262,8 +256,10 @@ class TrainSteps:
                 kind = micro_loss.MEAN  # Keras divides by the count then
             else:
                 total_weight = self._SumWeights(sample_weight)
-        self._CheckShares(y, kind, loss_object)
-        if loss_object is None and self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
+        found = self._SharesMismatch(y, kind, custom_loss)
+        if found:
+            raise ValueError(f'{self.name}: {loss_probe.refusal(found, self._options["schedule"])}')
+        if custom_loss is None and self._LastCellRecomputes() and len(self._CompiledLosses(y)) > 1:
             o = self._options
             raise ValueError(
                 f'{self.name}: compiled losses on several outputs, and recompute='
@@ -308,34 +304,39 @@ class TrainSteps:
         grads = [by_ref.get(backing(v).ref()) for v in self.trainable_variables]
         return loss, grads, self._Outputs(y_pred), counts
 
-    def _CheckShares(self, y, kind, loss_object):
-        """Refuses a loss that mixes examples (loss_probe), once per loss, reduction and
-        shapes; `loss_object` None: each compiled loss on its output."""
-        flat_pred = tf.nest.flatten(self._out_spec)
-        if loss_object is not None:
-            what = f'{self.name}: the loss {_loss_name(loss_object)!r}'
-            checks = [(loss_object, y, self._Pack(flat_pred), what)]
+    def _SharesMismatch(self, y, kind, custom_loss):
+        """The first loss that does not add up per micro-batch (loss_probe.mismatch), or None;
+        `custom_loss` None: each compiled loss on its output. A verdict is kept per loss
+        argument (held, so its id stays its own), reduction and shapes: traces do not probe
+        again."""
+        if custom_loss is not None:
+            obj = _loss_object(custom_loss)
+            flat_pred = tf.nest.flatten(self._out_spec)
+            what = f'the loss {_loss_name(obj)!r}'
+            checks = [(custom_loss, obj, y, self._Pack(flat_pred), what)]
         else:
             checks = self._CompiledLosses(y)
         weighted = kind == micro_loss.WEIGHTED_MEAN
-        done = self.__dict__.setdefault('_shares_checked', set())
-        for obj, y_true, y_pred, what in checks:
-            key = (id(obj), kind, repr(tf.nest.map_structure(_spec, (y_true, y_pred))))
-            if key in done:
-                continue
-            loss_probe.check(
-                lambda t, p, w, obj=obj: obj(t, p, sample_weight=w if weighted else None),
-                kind,
-                y_true,
-                y_pred,
-                what,
-                self._options['schedule'],
-            )
-            done.add(key)
+        verdicts = self.__dict__.setdefault('_share_verdicts', {})
+        for source, obj, y_true, y_pred, what in checks:
+            key = (id(source), what, kind, repr(tf.nest.map_structure(_spec, (y_true, y_pred))))
+            if key not in verdicts:
+                found = loss_probe.mismatch(
+                    lambda t, p, w, obj=obj: obj(t, p, sample_weight=w if weighted else None),
+                    kind,
+                    y_true,
+                    y_pred,
+                    what,
+                )
+                verdicts[key] = (source, found)
+            if verdicts[key][1]:
+                return verdicts[key][1]
+        return None
 
     def _CompiledLosses(self, y):
-        """(loss object, y_true, y_pred spec, description) per output with a compiled loss;
-        none when y cannot be matched to the outputs (then Keras itself refuses it)."""
+        """(compile's loss argument, its loss object, y_true, y_pred spec, description) per
+        output with a compiled loss; none when y cannot be matched to the outputs (then Keras
+        itself refuses it)."""
         flat_pred = tf.nest.flatten(self._out_spec)
         names = list(getattr(self, 'output_names', None) or [])
         if isinstance(y, dict):
@@ -357,8 +358,8 @@ class TrainSteps:
                 continue
             obj = _loss_object(loss)
             name = f' of output {names[i]!r}' if len(flat_pred) > 1 and i < len(names) else ''
-            what = f'{self.name}: the compiled loss {_loss_name(obj)!r}{name}'
-            checks.append((obj, flat_true[i], flat_pred[i], what))
+            what = f'the compiled loss {_loss_name(obj)!r}{name}'
+            checks.append((loss, obj, flat_true[i], flat_pred[i], what))
         return checks
 
     def _WithoutGradient(self, grads, variables):
