@@ -5,7 +5,15 @@ import tensorflow as tf
 ASSIGNS = {'AssignVariableOp', 'AssignAddVariableOp', 'AssignSubVariableOp'}
 # Ops TF's placer puts with their input, or that compute nothing (a While op: TF places each
 # loop variable's control nodes beside its initial value; its body's ops have their devices).
-_FOLLOWERS = {'Placeholder', 'Const', 'NoOp', 'ReadVariableOp', 'Identity', 'While'}
+_FOLLOWERS = {
+    'Placeholder',
+    'Const',
+    'NoOp',
+    'ReadVariableOp',
+    'Identity',
+    'While',
+    'StatelessWhile',  # a loop whose branches are unordered calls (gpipe/unordered.py)
+}
 
 
 def _tail(device):

@@ -70,8 +70,8 @@ def test_the_tick_loop_carries_kept_micro_batches_without_copies():
     """A micro-batch kept across the tick loop's ticks costs what it costs the unrolled
     executor: its activations, not a copy of them nor of the cell's weights (the loop had
     packed both into one vector per micro-batch: 23-42 MiB more than the unrolled step at
-    gpipe's peak here, where a micro-batch's activations are 16 MiB). What is left, about 10
-    MiB, is the loop's flat gradient sums (one more set of the weights' gradients, 8 MiB)."""
+    gpipe's peak here, where a micro-batch's activations are 16 MiB). About 10 MiB is left
+    (docs/results.md, the tick loop's peak memory table)."""
     args = [
         '--layers=32',
         '--width=256',
@@ -88,3 +88,24 @@ def test_the_tick_loop_carries_kept_micro_batches_without_copies():
         loop,
         unrolled,
     )
+
+
+@pytest.mark.idle
+def test_the_fprop_loops_run_one_action_at_a_time_per_device():
+    """FProp under a tape on the forward and backward loops holds what the unrolled executor
+    holds plus less than one micro-batch's activations (16 MiB here). Once their branches
+    were unordered calls (unordered.py), a device's next tick had not waited for its current
+    action: up to parallel_iterations forwards ran at once, 88 MiB against 31 unrolled."""
+    args = [
+        '--layers=32',
+        '--width=256',
+        '--batch_size=4096',
+        '--num_micro_batches=8',
+        '--activation=RELU',
+        '--policies=always',
+    ]
+    loop = _peak_memory(*args, '--tick_loop')[1]
+    unrolled = _peak_memory(*args)[1]
+    assert loop['setting'].startswith('pipeline') and loop['recompute'] == 'always', loop
+    micro_batch = 32 * (4096 // 8) * 256 * 4
+    assert loop['peak_bytes'] < unrolled['peak_bytes'] + micro_batch, (loop, unrolled)

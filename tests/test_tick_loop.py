@@ -171,6 +171,44 @@ def test_each_tick_sends_only_the_boundary_messages():
     assert crossing == [('TensorListSetItem', False)] * 2, crossing
 
 
+def test_a_device_next_tick_waits_for_its_own_action_not_for_every_device():
+    """Each device's clock (its next tick) waits for its own action of this tick only: the
+    branches are unordered calls (unordered.py), so a tick ends with no barrier across the
+    devices, which had run them in lockstep."""
+    pipe = _pipe('1f1b', 'except_last', 4, True)
+    x, t = tf.ones([8, 6]), tf.ones([8, 6])
+    fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss))
+    graph = fn.get_concrete_function(x, t).graph.as_graph_def()
+    (loop,) = [n for n in graph.node if n.op in ('While', 'StatelessWhile')]
+    body = {f.signature.name: f for f in graph.library.function}[loop.attr['body'].func.name]
+    inputs = {n.name: [i.lstrip('^').split(':')[0] for i in n.input] for n in body.node_def}
+
+    def ancestors(name):
+        seen, todo = set(), [name]
+        while todo:
+            for i in inputs.get(todo.pop(), []):
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+        return seen
+
+    cases = {n.device[-5:]: n.name for n in body.node_def if n.op.endswith('Case')}
+    assert {n.op for n in body.node_def if n.op.endswith('Case')} == {'StatelessCase'}
+    assert len(cases) == K
+    # A device's clock: its tick count + 1, made after its action (tick_loop._Tick).
+    clocks = [
+        n
+        for n in body.node_def
+        if n.op == 'AddV2'
+        and n.attr['T'].type == tf.int32.as_datatype_enum
+        and any(case in ancestors(n.name) for case in cases.values())
+    ]
+    assert sorted(c.device[-5:] for c in clocks) == sorted(cases)
+    for clock in clocks:
+        waits_for = {dev for dev, case in cases.items() if case in ancestors(clock.name)}
+        assert waits_for == {clock.device[-5:]}, (clock.name, waits_for)
+
+
 def test_except_last_recomputes_what_would_wait_across_ticks():
     """Fill-drain's last micro-batch on every cell but the last waits ticks for its output
     gradient: under 'except_last' the loop recomputes it rather than cut every cell into F and

@@ -5,7 +5,7 @@ starts with the last micro-batch, as the unrolled gpipe schedule does, and each 
 gradient reaches the cell before as a loop variable one tick later. A backward recomputes the
 cell's forward from its stashed input (the same dropout masks: the same step and micro-batch
 seed), then frees the stash slot. Each cell's dense weight gradients are running sums in the
-loop state, one flat vector per dtype (tick_loop.add_flat); sparse ones (gathers) are kept per
+loop state, one TensorList per dtype (dense_sums.py); sparse ones (gathers) are kept per
 micro-batch and concatenated after the loop, as TF's tape aggregates them, so an optimizer
 still gets them sparse. The first cell's input gradients are written per micro-batch and
 concatenated along the batch dimension after the loop.
@@ -13,9 +13,9 @@ concatenated along the batch dimension after the loop.
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import executor, forward_loop, ownership
+from tf_gpipe.gpipe import dense_sums, executor, forward_loop, ownership, unordered
 from tf_gpipe.gpipe.forward_loop import UnsupportedError, empty, fill, front, merged, present
-from tf_gpipe.gpipe.tick_loop import add_flat, run_on, spec_of
+from tf_gpipe.gpipe.tick_loop import run_on, spec_of
 from tf_gpipe.runtime import distribute
 
 
@@ -54,14 +54,9 @@ class BackwardLoop(forward_loop.Wave):
                     sparse[s].append((v,) + specs)
                 elif g is not None:
                     dense[s].append((v, spec_of(g)))
-        groups = []  # per cell: [[(variable, spec)] per dtype]
-        for s in range(S):
-            by_dtype = {}
-            for v, sp in dense[s]:
-                by_dtype.setdefault(sp.dtype, []).append((v, sp))
-            groups.append(list(by_dtype.values()))
         self.grad_specs, self.float_in, self.wants = grad_specs, float_in, wants
-        self.sparse, self.groups = sparse, groups
+        self.sparse = sparse
+        self.dense = [dense_sums.DenseSums(pairs) for pairs in dense]  # per cell
 
     def Run(self, fwd, micro_d_outputs, sums):
         """Adds every weight gradient to `sums`; returns the gradient of the whole batch's
@@ -71,7 +66,7 @@ class BackwardLoop(forward_loop.Wave):
         devices = self.devices
         in_specs = fwd.in_specs
         grad_specs, float_in, wants = self.grad_specs, self.float_in, self.wants
-        sparse, groups = self.sparse, self.groups
+        sparse, dense = self.sparse, self.dense
 
         dy = forward_loop.stacked(micro_d_outputs, grad_specs[-1], devices[-1])
         steps, seeds = self.Locals()
@@ -85,16 +80,7 @@ class BackwardLoop(forward_loop.Wave):
                 for s in range(S - 1)
             ],
             stash=list(fwd.stash),
-            dense=[
-                run_on(
-                    devices[s],
-                    lambda s=s: [
-                        tf.zeros([sum(sp.shape.num_elements() for _, sp in g)], g[0][1].dtype)
-                        for g in groups[s]
-                    ],
-                )
-                for s in range(S)
-            ],
+            dense=[run_on(devices[s], dense[s].New) for s in range(S)],
             sparse=[
                 run_on(
                     devices[s],
@@ -112,14 +98,10 @@ class BackwardLoop(forward_loop.Wave):
                 [forward_loop.relaxed(sp) for sp in present(grad_specs[s])] for s in range(S - 1)
             ],
             stash=[[tf.TensorShape(None)] * len(lists) for lists in state['stash']],
-            dense=[[t.shape for t in flats] for flats in state['dense']],
+            dense=[[t.shape for t in lists] for lists in state['dense']],
             sparse=[[[tf.TensorShape(None)] * 2 for _ in lists] for lists in state['sparse']],
             d_in=[tf.TensorShape(None)] * len(state['d_in']),
         )
-        layouts = [
-            [tuple((sp.shape.num_elements(), True) for _, sp in g) for g in groups[s]]
-            for s in range(S)
-        ]
 
         def inputs(state, s, m):
             if s == 0:
@@ -133,7 +115,8 @@ class BackwardLoop(forward_loop.Wave):
             return fill(grad_specs[s], state['carry'][s])
 
         def body(state):
-            new = dict(clock=self.Tick(state['clock']), carry=[None] * (S - 1))
+            new = dict(carry=[None] * (S - 1))
+            done = []
             for key in ('stash', 'dense', 'sparse'):
                 new[key] = list(state[key])
             new['d_in'] = state['d_in']
@@ -154,10 +137,7 @@ class BackwardLoop(forward_loop.Wave):
                             wants[s],
                         )
                         by_var = {v.ref(): g for v, g in d_vars}  # (variable, gradient) pairs
-                        sums_s = [
-                            add_flat(flat, [by_var[v.ref()] for v, _ in g], layout)
-                            for flat, g, layout in zip(state['dense'][s], groups[s], layouts[s])
-                        ]
+                        sums_s = dense[s].Add(state['dense'][s], d_vars)  # its dense ones
                         kept = [
                             [
                                 vs.write(index, by_var[v.ref()].values),
@@ -186,24 +166,24 @@ class BackwardLoop(forward_loop.Wave):
                             list(state['d_in']),
                         )
 
-                    sent, sums_s, kept, stash, d_in = tf.cond(active, run, idle)
+                    result = tf.cond(active, unordered.branch(run), unordered.branch(idle))
+                    done.append(result)
+                    sent, sums_s, kept, stash, d_in = result
                     if s > 0:
                         new['carry'][s - 1] = list(sent)
                     new['dense'][s], new['sparse'][s] = list(sums_s), [list(p) for p in kept]
                     new['stash'][s] = list(stash)
                     if s == 0:
                         new['d_in'] = list(d_in)
+            new['clock'] = self.Tick(state['clock'], done)
             return (new,)
 
         final = self.Loop(body, state, invariants, num_m + S - 1)
 
         for s in range(S):
             with distribute.on(devices[s]):
-                for g, flat in zip(groups[s], final['dense'][s]):
-                    sizes = [sp.shape.num_elements() for _, sp in g]
-                    pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
-                    for (v, sp), piece in zip(g, pieces):
-                        sums.Add(v, tf.reshape(piece, sp.shape))
+                for v, total in dense[s].Read(final['dense'][s]):
+                    sums.Add(v, total)
                 for (v, _, _), (vs, ix) in zip(sparse[s], final['sparse'][s]):
                     values, indices = vs.concat(), ix.concat()
                     sums.Add(

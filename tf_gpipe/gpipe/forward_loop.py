@@ -14,7 +14,7 @@ kept). `unsupported` names what the loop does not run (the caller runs the unrol
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import trace
+from tf_gpipe.gpipe import trace, unordered
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.gpipe.tick_loop import beside_input, run_on, same_specs, spec_of
 from tf_gpipe.runtime import distribute
@@ -151,20 +151,40 @@ class Wave:
         return steps, seeds
 
     def Clocks(self):
+        """Each device's tick counter."""
         return [run_on(d, lambda: tf.zeros([], tf.int32)) for d in self.clock_devices]
 
-    def Tick(self, clocks):
+    def Tick(self, clocks, done):
+        """Each device's next tick, once its cells' actions of this one are done (`done`: per
+        cell, what its branch returned): one action at a time per device, as the memory bound
+        assumes (the branches are unordered calls, unordered.py: nothing else orders them)."""
         out = []
-        for d, c in zip(self.clock_devices, clocks):
-            with distribute.on(d):
+        for d, (device, c) in enumerate(zip(self.clock_devices, clocks)):
+            outputs = [
+                getattr(x, 'flow', x)  # a TensorArray: its flow
+                for s, result in enumerate(done)
+                if self.device_of(s) == d
+                for x in tf.nest.flatten(result)
+            ]
+            with distribute.on(device), tf.control_dependencies(outputs):
                 out.append(c + 1)
         return out
 
     def Loop(self, body, state, invariants, ticks):
+        """tf.while_loop over `ticks`; its condition reads a counter of its own (state['tick'],
+        on the first device), so no device's action holds up another's next tick."""
+        state = dict(state, tick=run_on(self.clock_devices[0], lambda: tf.constant(0)))
+        invariants = dict(invariants, tick=tf.TensorShape([]))
+
+        def counted(state):
+            (new,) = body(state)
+            with distribute.on(self.clock_devices[0]):
+                return (dict(new, tick=state['tick'] + 1),)
+
         with tf.compat.v1.device(beside_input):
             (final,) = tf.while_loop(
-                lambda state: run_on(self.clock_devices[0], lambda: state['clock'][0] < ticks),
-                body,
+                lambda state: run_on(self.clock_devices[0], lambda: state['tick'] < ticks),
+                counted,
                 (state,),
                 shape_invariants=(invariants,),
                 maximum_iterations=ticks,
@@ -237,8 +257,9 @@ class ForwardLoop(Wave):
             return fill(in_specs[s], state['carry'][s - 1])
 
         def body(state):
-            new = dict(clock=self.Tick(state['clock']), carry=[None] * (S - 1))
+            new = dict(carry=[None] * (S - 1))
             new['out'], new['stash'] = state['out'], list(state['stash'])
+            done = []
             for s, runner in enumerate(runners):
                 with distribute.on(runner.device):
                     m = tf.cast(state['clock'][self.device_of(s)], tf.int64) - s
@@ -260,12 +281,14 @@ class ForwardLoop(Wave):
                             return [empty(sp) for sp in present(out_specs[s])], state['stash'][s]
                         return list(state['out']), state['stash'][s]
 
-                    result, kept = tf.cond(active, run, idle)
+                    result, kept = tf.cond(active, unordered.branch(run), unordered.branch(idle))
+                    done.append((result, kept))
                     new['stash'][s] = list(kept)
                     if s < S - 1:
                         new['carry'][s] = list(result)
                     else:
                         new['out'] = list(result)
+            new['clock'] = self.Tick(state['clock'], done)
             return (new,)
 
         final = self.Loop(body, state, invariants, num_m + S - 1)

@@ -32,7 +32,7 @@ unrolled executor then).
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import carried, executor, schedules, trace
+from tf_gpipe.gpipe import carried, dense_sums, executor, schedules, trace, unordered
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
@@ -413,35 +413,15 @@ class TickLoop:
                     ]
                 elif all(v.ref() != u.ref() for u, _ in dense_vars[d]):
                     dense_vars[d].append((v, spec_of(g)))
-        # A device's dense sums are one flat vector per dtype: one loop variable, not one per
-        # variable (each loop variable and switch_case output costs ops at every tick).
-        groups = {d: {} for d in range(K)}  # device -> dtype -> [(variable, spec)]
+        # A device's dense sums: one TensorList per dtype (dense_sums.py), not a loop variable
+        # per variable (each loop variable and switch_case output costs ops at every tick).
+        sums = {}
         for d in range(K):
-            for v, sp in dense_vars[d]:
-                groups[d].setdefault(sp.dtype, []).append((v, sp))
-            groups[d] = list(groups[d].values())
+            sums[d] = dense_sums.DenseSums(dense_vars[d])
             with distribute.on(devices[d]):
-                state['dense'][d] = [
-                    tf.zeros([sum(sp.shape.num_elements() for _, sp in g)], g[0][1].dtype)
-                    for g in groups[d]
-                ]
-        self._stages, self._groups, self._sparse_specs = stages, groups, sparse_specs
-        ctx = _Context(
-            stages,
-            x0,
-            tgt_flat,
-            {
-                d: {
-                    v.ref(): (gi, vi)
-                    for gi, g in enumerate(groups[d])
-                    for vi, (v, _) in enumerate(g)
-                }
-                for d in range(K)
-            },
-            groups,
-            sparse_specs,
-            want_outputs,
-        )
+                state['dense'][d] = sums[d].New()
+        self._stages, self._dense_sums, self._sparse_specs = stages, sums, sparse_specs
+        ctx = _Context(stages, x0, tgt_flat, sums, sparse_specs, want_outputs)
         ctx.devices = devices
         # The step and the seed base as every device's own copy (read at every tick).
         ctx.step = {d: run_on(devices[d], lambda: tf.identity(self.step)) for d in range(K)}
@@ -460,7 +440,8 @@ class TickLoop:
             with distribute.on(devices[d]):
                 rows[d] = tf.gather(tf.constant(ctx.tables[d], tf.int32), state['clock'][d])
                 m = tf.cast(rows[d][1], tf.int64)
-                fns = [self._Branch(key, d, m, state, ctx) for key in ctx.keys[d]]
+                # Unordered: no tick waits for every device's action (unordered.py).
+                fns = [unordered.branch(self._Branch(key, d, m, state, ctx)) for key in ctx.keys[d]]
                 if len(fns) > 1:
                     messages[d] = tf.switch_case(rows[d][0], fns)
                 else:
@@ -609,20 +590,13 @@ class TickLoop:
             return tf.nest.pack_sequence_as(st.out_struct, read(state['d'][s][-1], floats))
 
         def add_weight_grads(msg, d_vars):
-            dense = {}  # (group, index in group) -> gradient
+            dense = []
             for v, g in d_vars:
                 if (s, v.ref()) in ctx.sparse_specs:
                     msg['sparse'][_key(s, v.ref(), ctx.sparse_specs)] = [g.values, g.indices]
-                elif v.ref() in ctx.dense_pos[d]:
-                    dense[ctx.dense_pos[d][v.ref()]] = tf.convert_to_tensor(g)
-            for gi, group in enumerate(ctx.groups[d]):
-                present = [dense[(gi, vi)] for vi in range(len(group)) if (gi, vi) in dense]
-                if present:
-                    layout = tuple(
-                        (sp.shape.num_elements(), (gi, vi) in dense)
-                        for vi, (_, sp) in enumerate(group)
-                    )
-                    msg['dense'][gi] = add_flat(msg['dense'][gi], present, layout)
+                else:
+                    dense.append((v, g))
+            msg['dense'] = ctx.dense_sums[d].Add(msg['dense'], dense)
 
         def flat_dys():
             if st.last:
@@ -708,13 +682,10 @@ class TickLoop:
     def _Collect(self, final, num_m, want_outputs):
         stages = self._stages
         self.losses = {0: tuple(final['loss'])}
-        for d, groups in self._groups.items():
-            for group, flat in zip(groups, final['dense'][d]):
-                with distribute.on(stages[d].device):
-                    sizes = [sp.shape.num_elements() for _, sp in group]
-                    pieces = tf.split(flat, sizes) if len(sizes) > 1 else [flat]
-                    for (v, sp), piece in zip(group, pieces):
-                        self.sums.Add(v, tf.reshape(piece, sp.shape))
+        for d, sums in self._dense_sums.items():
+            with distribute.on(stages[d].device):
+                for v, total in sums.Read(final['dense'][d]):
+                    self.sums.Add(v, total)
         for s, ref in self._sparse_specs:
             vals, inds = final['sparse'][_key(s, ref, self._sparse_specs)]
             v = ref.deref()
@@ -736,20 +707,6 @@ class TickLoop:
                 self.outputs[m] = tf.nest.pack_sequence_as(
                     last.out_struct, [None if f is None else f[m] for f in flat]
                 )
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def add_flat(total, grads, layout):
-    """`total` + the gradients laid out flat as `layout` says ((size, present) per variable,
-    zeros where absent): one call in a branch instead of ops per variable at every tick."""
-    it = iter(grads)
-    pieces = [
-        tf.reshape(tf.cast(next(it), total.dtype), [-1])
-        if present
-        else tf.zeros([size], total.dtype)
-        for size, present in layout
-    ]
-    return total + tf.concat(pieces, 0)
 
 
 def beside_input(op):
@@ -777,12 +734,11 @@ class UnsupportedError(Exception):
 class _Context:
     """What every branch reads besides the loop state."""
 
-    def __init__(self, stages, x0, tgt_flat, dense_pos, groups, sparse_specs, want_outputs):
+    def __init__(self, stages, x0, tgt_flat, dense_sums, sparse_specs, want_outputs):
         self.stages = stages
         self.x0 = x0
         self.tgt_flat = tgt_flat
-        self.dense_pos = dense_pos
-        self.groups = groups
+        self.dense_sums = dense_sums  # device -> dense_sums.DenseSums
         self.sparse_specs = sparse_specs
         self.want_outputs = want_outputs
 
