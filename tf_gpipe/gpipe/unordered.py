@@ -4,7 +4,8 @@ Inside a tf.function, TF's automatic control dependencies make every output of a
 `tf.while_loop` body wait for every stateful op of that body. A branch that calls a cell is
 stateful (the cell reads variables), so each tick of a loop over devices ended with a barrier:
 every device waited for the slowest action of the tick, and the loop ran the devices in
-lockstep (measured: 1F1B at K=2, d=256, 1.19x the unrolled step; 1.02x without it).
+lockstep (docs/engine.md, "No tick waits for every device"; the steady step it cost is in
+docs/results.md).
 
 `branch(fn)` traces fn as a function of what it captures and returns a callable that makes one
 `tf.raw_ops.PartitionedCall` of it: a call op TF does not count as stateful, so only data and
