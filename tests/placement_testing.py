@@ -50,3 +50,15 @@ def bulk_unplaced(graph):
         and op.type not in _FOLLOWERS
         and any(o.dtype != tf.resource and o.shape.rank != 0 for o in op.outputs)
     ]
+
+
+def ancestors(fdef, name):
+    """Names of the nodes of FunctionDef `fdef` that node `name` waits for (data or control)."""
+    inputs = {n.name: [i.lstrip('^').split(':')[0] for i in n.input] for n in fdef.node_def}
+    seen, todo = set(), [name]
+    while todo:
+        for i in inputs.get(todo.pop(), []):
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return seen

@@ -12,6 +12,14 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The Results guide's peak-memory stack: a micro-batch's activations are 16 MiB.
+_FC_32X256 = [
+    '--layers=32',
+    '--width=256',
+    '--batch_size=4096',
+    '--num_micro_batches=8',
+    '--activation=RELU',
+]
 
 
 def _peak_memory(*args):
@@ -72,15 +80,7 @@ def test_the_tick_loop_carries_kept_micro_batches_without_copies():
     packed both into one vector per micro-batch: 23-42 MiB more than the unrolled step at
     gpipe's peak here, where a micro-batch's activations are 16 MiB). About 10 MiB is left
     (docs/results.md, the tick loop's peak memory table)."""
-    args = [
-        '--layers=32',
-        '--width=256',
-        '--batch_size=4096',
-        '--num_micro_batches=8',
-        '--activation=RELU',
-        '--policies=never',
-        '--schedules=gpipe',
-    ]
+    args = [*_FC_32X256, '--policies=never', '--schedules=gpipe']
     loop = {r['setting'].split()[0]: r for r in _peak_memory(*args, '--tick_loop')}
     unrolled = {r['setting'].split()[0]: r for r in _peak_memory(*args)}
     micro_batch = 32 * (4096 // 8) * 256 * 4
@@ -96,14 +96,7 @@ def test_the_fprop_loops_run_one_action_at_a_time_per_device():
     holds plus less than one micro-batch's activations (16 MiB here). Once their branches
     were unordered calls (unordered.py), a device's next tick had not waited for its current
     action: up to parallel_iterations forwards ran at once, 88 MiB against 31 unrolled."""
-    args = [
-        '--layers=32',
-        '--width=256',
-        '--batch_size=4096',
-        '--num_micro_batches=8',
-        '--activation=RELU',
-        '--policies=always',
-    ]
+    args = [*_FC_32X256, '--policies=always']
     loop = _peak_memory(*args, '--tick_loop')[1]
     unrolled = _peak_memory(*args)[1]
     assert loop['setting'].startswith('pipeline') and loop['recompute'] == 'always', loop

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import placement_testing
 from tf_gpipe import gpipe, layers
 from tf_gpipe.gpipe import schedules, tick_loop
 
@@ -181,16 +182,9 @@ def test_a_device_next_tick_waits_for_its_own_action_not_for_every_device():
     graph = fn.get_concrete_function(x, t).graph.as_graph_def()
     (loop,) = [n for n in graph.node if n.op in ('While', 'StatelessWhile')]
     body = {f.signature.name: f for f in graph.library.function}[loop.attr['body'].func.name]
-    inputs = {n.name: [i.lstrip('^').split(':')[0] for i in n.input] for n in body.node_def}
 
     def ancestors(name):
-        seen, todo = set(), [name]
-        while todo:
-            for i in inputs.get(todo.pop(), []):
-                if i not in seen:
-                    seen.add(i)
-                    todo.append(i)
-        return seen
+        return placement_testing.ancestors(body, name)
 
     cases = {n.device[-5:]: n.name for n in body.node_def if n.op.endswith('Case')}
     assert {n.op for n in body.node_def if n.op.endswith('Case')} == {'StatelessCase'}

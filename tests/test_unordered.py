@@ -4,23 +4,13 @@ next tick waits only for what it reads, and what the branches do still happens."
 
 import tensorflow as tf
 
+from tests.placement_testing import ancestors
 from tf_gpipe.gpipe import unordered
 
 
 def _node(name):
     """A FunctionDef input ('^n', 'n:output:0') as the node name it comes from."""
     return name.lstrip('^').split(':')[0]
-
-
-def _ancestors(fdef, start):
-    inputs = {n.name: [_node(i) for i in n.input] for n in fdef.node_def}
-    seen, todo = set(), [start]
-    while todo:
-        for i in inputs.get(todo.pop(), []):
-            if i not in seen:
-                seen.add(i)
-                todo.append(i)
-    return seen
 
 
 def _two_device_loop(wrap, counter=None):
@@ -74,7 +64,7 @@ def test_tf_makes_every_tick_wait_for_every_stateful_branch():
     assert len(conds) == 2 and all(c.op == 'If' for c in conds)
     cond_b = [c.name for c in conds if c.device.endswith('CPU:1')][0]
     # Device 0's next value waits for device 1's branch, though it reads nothing from it.
-    assert cond_b in _ancestors(body, _device_of_output(body, 1))
+    assert cond_b in ancestors(body, _device_of_output(body, 1))
 
 
 def test_unordered_branches_leave_each_device_to_its_own_data():
@@ -82,8 +72,8 @@ def test_unordered_branches_leave_each_device_to_its_own_data():
     conds = _conds(body)
     assert len(conds) == 2 and all(c.op == 'StatelessIf' for c in conds)
     by_device = {c.device[-5:]: c.name for c in conds}
-    assert by_device['CPU:1'] not in _ancestors(body, _device_of_output(body, 1))
-    assert by_device['CPU:0'] not in _ancestors(body, _device_of_output(body, 2))
+    assert by_device['CPU:1'] not in ancestors(body, _device_of_output(body, 1))
+    assert by_device['CPU:0'] not in ancestors(body, _device_of_output(body, 2))
 
 
 def test_what_the_branches_do_still_happens_and_results_are_the_same():
