@@ -4,7 +4,7 @@ One TensorList per dtype holds one sum per variable: a single loop variable per 
 loop variable costs ops at every tick), and one call adds a micro-batch's gradients to their
 sums variable by variable, in place of the list's entries. The flat vector per dtype this
 replaces had to concatenate every gradient first: one more copy of the cell's gradients per
-backward (measured with tools/startup.py at d=256, docs/results.md "Start-up").
+backward, at the peak too (docs/results.md, the tick loop's peak memory table).
 """
 
 import tensorflow as tf
