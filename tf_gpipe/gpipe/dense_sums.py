@@ -18,12 +18,10 @@ class DenseSums:
         for v, sp in pairs:
             groups.setdefault(sp.dtype, []).append((v, sp))
         self.groups = list(groups.values())  # per dtype: [(variable, spec)]
-        self._where = {
-            v.ref(): (gi, vi) for gi, g in enumerate(self.groups) for vi, (v, _) in enumerate(g)
-        }
+        self._held = {v.ref() for v, _ in pairs}
 
     def __contains__(self, variable):
-        return variable.ref() in self._where
+        return variable.ref() in self._held
 
     def New(self):
         """Zero sums, under the current device: one list per dtype."""
