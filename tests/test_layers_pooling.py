@@ -20,6 +20,45 @@ def test_pooling(ptype, padding):
     layer_testing.check_meta(p, x)
 
 
+@pytest.mark.parametrize('padding', ['SAME', 'VALID'])
+def test_max_pool_gradient_with_ties_in_tf_function_and_half_precision(padding):
+    """The recomputing gradient is TF's own, ties (a window's equal maxima) included."""
+    layer = layers.PoolingLayer.Params().Set(name='pool', padding=padding).Instantiate()
+    x = tf.round(tf.random.stateless_normal([2, 6, 6, 3], [3, 3]))  # many ties
+    ref = lambda x: tf.nn.max_pool2d(x, 2, 2, padding)  # noqa: E731
+    layer_testing.assert_same_grads(tf.function(layer.FProp), ref, x, [])
+    half = layers.PoolingLayer.Params().Set(name='half', fprop_dtype=tf.float16).Instantiate()
+    layer_testing.assert_same_grads(
+        lambda x: tf.cast(half.FProp(x), tf.float32),
+        lambda x: tf.cast(ref(tf.cast(x, tf.float16)), tf.float32),
+        x,
+        [],
+    )
+
+
+def test_a_max_pool_backward_traced_apart_from_its_forward_holds_its_own_pool():
+    """A kept micro-batch's backward is a function of its own (TF derives it from the
+    forward's call). oneDNN's fast MaxPoolGrad needs the workspace of a MaxPool in the same
+    graph, so that backward recomputes the pooling; without it, Eigen's kernel made
+    AmoebaNet-D's kept step 1.6x the plain one's (docs/results.md)."""
+    layer = layers.PoolingLayer.Params().Set(name='pool', window_shape=(3, 3)).Instantiate()
+    forward = tf.function(layer.FProp)
+
+    @tf.function
+    def backward(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = forward(x)
+        return tape.gradient(y, x, output_gradients=dy)
+
+    x = tf.random.stateless_normal([2, 8, 8, 3], [4, 4])
+    graph = backward.get_concrete_function(x, tf.ones([2, 4, 4, 3])).graph.as_graph_def()
+    derived = [f for f in graph.library.function if '__backward_' in f.signature.name]
+    assert len(derived) == 1, [f.signature.name for f in graph.library.function]
+    ops = [n.op for n in derived[0].node_def]
+    assert ops.count('MaxPoolGrad') == 1 and ops.count('MaxPool') == 1, ops
+
+
 @pytest.mark.parametrize('ptype', ['MAX', 'AVG'])
 def test_global_pooling(ptype):
     p = layers.GlobalPoolingLayer.Params().Set(name='gp', pooling_type=ptype)
