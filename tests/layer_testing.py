@@ -53,3 +53,20 @@ def assert_same_grads(layer_fn, ref_fn, x, variables, rtol=1e-5, atol=1e-6):
     assert len(gv1) == len(gv2) and all(g is not None for g in gv1)
     for a, b in zip(gv1, gv2):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+
+
+def derived_backward_ops(fn, x, dy):
+    """Op types of the backward TF derives for a call of tf.function `fn` on `x` under a tape
+    (a kept micro-batch's backward: a function apart from its forward's)."""
+
+    @tf.function
+    def backward(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = fn(x)
+        return tape.gradient(y, x, output_gradients=dy)
+
+    graph = backward.get_concrete_function(x, dy).graph.as_graph_def()
+    derived = [f for f in graph.library.function if '__backward_' in f.signature.name]
+    assert len(derived) == 1, [f.signature.name for f in graph.library.function]
+    return [n.op for n in derived[0].node_def]

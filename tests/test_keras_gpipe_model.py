@@ -470,6 +470,32 @@ def test_a_sequential_with_a_mask_carries_it_across_cells():
     np.testing.assert_allclose(pipe.predict(ids, verbose=0), want, rtol=1e-5, atol=1e-6)
 
 
+def _cnn():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 2)),
+            keras.layers.Conv2D(4, 3, padding='same', activation='relu'),
+            keras.layers.MaxPooling2D(2),
+            keras.layers.Conv2D(4, 3, activation='relu'),
+            keras.layers.MaxPooling2D(2, padding='same'),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3, activation='softmax'),
+        ]
+    )
+
+
+def test_a_cnn_with_max_pooling_trains_as_plain_keras():
+    """Max pooling's recomputing gradient (keras/state.py) in the front door, every
+    micro-batch kept (its backward a function apart from its forward): plain Keras' history."""
+    x = np.random.RandomState(3).randn(32, 8, 8, 2).astype('float32')
+    plain = _compile(_cnn())
+    pipe = _compile(GPipe(_cnn(), num_partitions=2, num_micro_batches=2, recompute='never'))
+    fit = dict(batch_size=16, epochs=2, shuffle=False, verbose=0)
+    _assert_same_history(pipe.fit(x, Y[:32], **fit), plain.fit(x, Y[:32], **fit))
+    _assert_same_weights(pipe, plain)
+
+
 def _gradients(model, x, y, m=1):
     """Loss and {variable path: gradient}; the plain model is run micro-batch by micro-batch
     (batch norm normalises each micro-batch with its own statistics, as the pipeline does)."""

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests import layer_testing
 from tf_gpipe import fprop_context, layers
 from tf_gpipe.keras import state as keras_state
 
@@ -89,3 +90,25 @@ def test_batch_norm_accumulates_and_moves_once_per_step():
 def test_batch_norm_renorm_is_refused():
     with pytest.raises(ValueError, match='renorm=False'):
         _wrapped('BatchNormalization', {'renorm': True}, (None, 3))
+
+
+def test_a_keras_max_pool_recomputes_its_pooling_in_its_gradient():
+    """A wrapped MaxPooling2D gives Keras' values and TF's gradient (ties included), and a
+    backward traced apart from its forward (a kept micro-batch's) holds its own pooling, which
+    oneDNN's fast MaxPoolGrad on CPU needs (layers/pooling.py). channels_first stays Keras'."""
+    config = {'pool_size': 3, 'strides': 2, 'padding': 'same'}
+    layer = _wrapped('MaxPooling2D', config, (None, 7, 7, 3))
+    plain = keras.layers.MaxPooling2D(**config)
+    x = tf.round(tf.random.stateless_normal([2, 7, 7, 3], [5, 5]))  # many ties
+    dy = tf.random.stateless_normal([2, 4, 4, 3], [6, 6])
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(x)
+        y, want = layer.FProp(x), plain(x)
+    np.testing.assert_array_equal(y, want)
+    np.testing.assert_array_equal(tape.gradient(y, x, dy), tape.gradient(want, x, dy))
+    ops = layer_testing.derived_backward_ops(tf.function(layer.FProp), x, dy)
+    assert ops.count('MaxPoolGrad') == 1 and ops.count('MaxPool') == 1, ops
+
+    first = keras.layers.MaxPooling2D(2, data_format='channels_first')
+    nested = keras.Sequential([first, keras.layers.MaxPooling2D(2)])
+    assert keras_state.recomputing_max_pools(nested) == [nested.layers[1]]

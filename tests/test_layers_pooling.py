@@ -42,20 +42,8 @@ def test_a_max_pool_backward_traced_apart_from_its_forward_holds_its_own_pool():
     graph, so that backward recomputes the pooling; without it, Eigen's kernel made
     AmoebaNet-D's kept step 1.6x the plain one's (docs/results.md)."""
     layer = layers.PoolingLayer.Params().Set(name='pool', window_shape=(3, 3)).Instantiate()
-    forward = tf.function(layer.FProp)
-
-    @tf.function
-    def backward(x, dy):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = forward(x)
-        return tape.gradient(y, x, output_gradients=dy)
-
     x = tf.random.stateless_normal([2, 8, 8, 3], [4, 4])
-    graph = backward.get_concrete_function(x, tf.ones([2, 4, 4, 3])).graph.as_graph_def()
-    derived = [f for f in graph.library.function if '__backward_' in f.signature.name]
-    assert len(derived) == 1, [f.signature.name for f in graph.library.function]
-    ops = [n.op for n in derived[0].node_def]
+    ops = layer_testing.derived_backward_ops(tf.function(layer.FProp), x, tf.ones([2, 4, 4, 3]))
     assert ops.count('MaxPoolGrad') == 1 and ops.count('MaxPool') == 1, ops
 
 

@@ -32,7 +32,8 @@ def test_keras_symbolic_scope_flag():
 def test_keras_layer_internals_used_by_keras_state():
     """keras_state walks nested layers (`_flatten_layers`), replays `_seed_generators` (each a
     SeedGenerator whose `state` is [seed, counter]), and takes over BatchNormalization's
-    training call using `_moments` and `_reduction_axes`, by setting `call` on the instance."""
+    training call using `_moments` and `_reduction_axes`, by setting `call` on the instance, as
+    it does for MaxPooling2D's (keras_state.recomputing_max_pools)."""
     import keras
     import numpy as np
 
@@ -51,6 +52,16 @@ def test_keras_layer_internals_used_by_keras_state():
     np.testing.assert_allclose(variance, want_variance, rtol=1e-5, atol=1e-6)
     bn.call = lambda inputs, training=None, mask=None: inputs * 0 + 7
     assert float(bn(x, training=True)[0, 0, 0]) == 7.0  # __call__ runs the instance's call
+    # MaxPooling2D: the same replacement, and the attributes its replacement reads.
+    pool = keras.layers.MaxPooling2D(3, strides=2, padding='same')
+    assert (pool.pool_size, pool.strides, pool.padding, pool.data_format) == (
+        (3, 3),
+        (2, 2),
+        'same',
+        'channels_last',
+    )
+    pool.call = lambda inputs: inputs[:, :1, :1] * 0 + 5
+    assert float(pool(tf.ones([1, 4, 4, 1]))[0, 0, 0, 0]) == 5.0
 
 
 @pytest.mark.parametrize('kind', ['SGD', 'Adam'])

@@ -109,6 +109,7 @@ class KerasLayer(base_layer.BaseLayer):
         self._RegisterVariables()
         self._generators = keras_state.seed_generators(self._layer)
         self._batch_norms = keras_state.batch_norm_stats(self._layer)
+        keras_state.recomputing_max_pools(self._layer)
 
     def ReplayedState(self):
         # The seed generators' counters, set from (step, micro-batch) before each call.

@@ -107,6 +107,7 @@ class KerasNodeLayer(KerasLayer):
         self._RegisterVariables()
         self._generators = keras_state.seed_generators(self._layer)
         self._batch_norms = keras_state.batch_norm_stats(self._layer)
+        keras_state.recomputing_max_pools(self._layer)
 
     def _Arguments(self, value_of):
         p = self.params

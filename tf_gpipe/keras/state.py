@@ -1,5 +1,7 @@
 """Keras layers with randomness or batch statistics, made safe to recompute and to micro-batch.
 
+(And max pooling made fast in a kept micro-batch's backward: `recomputing_max_pools`.)
+
 Two Keras behaviours break a pipeline's exactness, and this module fixes each for a wrapped
 Keras layer (and every layer nested in it):
 
@@ -14,11 +16,13 @@ Keras layer (and every layer nested in it):
   with the statistics of the whole batch.
 """
 
+import functools
+
 import keras
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.layers import normalization
+from tf_gpipe.layers import normalization, pooling
 
 # A call's counter is (step * _MAX_MICRO_BATCHES + micro_batch) * _DRAWS_PER_CALL: room for
 # that many draws per generator per call before two calls could share a seed.
@@ -133,6 +137,25 @@ class BatchNormStats:
         layer.moving_variance.assign(tf.cast(variance, layer.moving_variance.dtype))
         for acc in self.accumulators:
             acc.assign(tf.zeros_like(acc))
+
+
+def recomputing_max_pools(layer):
+    """Gives every channels-last MaxPooling2D in `layer` (nested ones included) a call whose
+    gradient recomputes the pooling (`layers.pooling.max_pool`): same values, and on CPU a kept
+    micro-batch's backward, a function of its own, keeps oneDNN's fast MaxPoolGrad (which needs
+    its MaxPool in the same graph) instead of Eigen's. Returns the layers it changed."""
+    pools = []
+    for sub in sublayers(layer):
+        if isinstance(sub, keras.layers.MaxPooling2D) and sub.data_format == 'channels_last':
+            sub.call = functools.partial(_max_pool_call, sub)
+            pools.append(sub)
+    return pools
+
+
+def _max_pool_call(layer, inputs):
+    return pooling.max_pool(
+        inputs, tuple(layer.pool_size), tuple(layer.strides), layer.padding.upper()
+    )
 
 
 def batch_norm_stats(layer):
