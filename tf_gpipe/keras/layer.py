@@ -106,6 +106,11 @@ class KerasLayer(base_layer.BaseLayer):
                 self._layer(*_zeros(shape, dtype or self.params.input_dtype or self.fprop_dtype))
             else:
                 self._layer.build(shape)
+        self._AdoptBuilt()
+
+    def _AdoptBuilt(self):
+        """Once the Keras layer is built: its variables, and keras_state's take-over of its
+        random layers, batch norms and max poolings."""
         self._RegisterVariables()
         self._generators = keras_state.seed_generators(self._layer)
         self._batch_norms = keras_state.batch_norm_stats(self._layer)

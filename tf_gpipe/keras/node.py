@@ -104,10 +104,7 @@ class KerasNodeLayer(KerasLayer):
         args, kwargs = self._Arguments(zeros.__getitem__)
         with _python_random_seeded(self._seed_for_build), tf.init_scope():
             self._layer(*args, **kwargs)
-        self._RegisterVariables()
-        self._generators = keras_state.seed_generators(self._layer)
-        self._batch_norms = keras_state.batch_norm_stats(self._layer)
-        keras_state.recomputing_max_pools(self._layer)
+        self._AdoptBuilt()
 
     def _Arguments(self, value_of):
         p = self.params
