@@ -25,17 +25,15 @@ def max_pool(x, window, stride, padding):
     some 50x slower (AmoebaNet-D's step 1.6x the plain one's, docs/results.md). Recomputing
     one pooling costs a few percent of its gradient; the values are the same.
     """
-    ksize, strides = [1, *window, 1], [1, *stride, 1]
+    attrs = dict(ksize=[1, *window, 1], strides=[1, *stride, 1], padding=padding)
 
     @tf.custom_gradient
     def pool(x):
         def grad(dy):
-            y = tf.raw_ops.MaxPool(input=x, ksize=ksize, strides=strides, padding=padding)
-            return tf.raw_ops.MaxPoolGrad(
-                orig_input=x, orig_output=y, grad=dy, ksize=ksize, strides=strides, padding=padding
-            )
+            y = tf.raw_ops.MaxPool(input=x, **attrs)  # again, beside its gradient
+            return tf.raw_ops.MaxPoolGrad(orig_input=x, orig_output=y, grad=dy, **attrs)
 
-        return tf.raw_ops.MaxPool(input=x, ksize=ksize, strides=strides, padding=padding), grad
+        return tf.raw_ops.MaxPool(input=x, **attrs), grad
 
     return pool(x)
 
