@@ -280,3 +280,59 @@ def test_demo_results_measures_both_demos(tmp_path):
         assert all(0 < speed[m]['min'] <= speed[m]['median'] for m in ('incremental', 'recompute'))
     table = _run(['tools/results_table.py', str(out)])
     assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | gpipe | 4 |' in table
+
+
+def _startup_file(path, layers, command, growth_at_k4):
+    """A tools/startup.py result of one L: K=4 and K=2, 1f1b, M=4 and M=32."""
+    summary = [
+        dict(
+            layers=layers,
+            num_stages=k,
+            schedule='1f1b',
+            startup_s={'4': 2.0, '32': 2.0 * growth},
+            growth=growth,
+            vs_plain=1.5 * growth,
+            plain_startup_s=1.0,
+            nodes_per_micro_batch=0,
+            steady_ms=30.0,
+            plain_steady_ms=10.0,
+            smallest_m=4,
+            largest_m=32,
+            unrolled_startup_s=8.0 * growth,
+            unrolled_steady_ms=25.0,
+            steady_ratio=1.2,
+            steady_ratio_range=[1.1, 1.3],
+        )
+        for k, growth in ((2, 1.0), (4, growth_at_k4))
+    ]
+    meta = dict(machine='m', tf_version='2', date=f'd{layers}', command=command)
+    path.write_text(
+        json.dumps(
+            dict(meta, startup=True, engine='e', model='t', recompute='r', rows=[], summary=summary)
+        )
+    )
+    return str(path)
+
+
+def test_startup_runs_of_one_grid_render_as_one_table_with_the_goals(tmp_path):
+    """Several tools/startup.py files in one results block (a grid run per L): one table, each
+    run's command, and engine v3's goals computed from its rows."""
+    import results_table
+
+    paths = [
+        _startup_file(tmp_path / 'a.json', 8, 'python tools/startup.py --layers=8', 1.1),
+        _startup_file(tmp_path / 'b.json', 64, 'python tools/startup.py --layers=64', 1.5),
+    ]
+    lines = results_table.table(paths)
+    text = '\n'.join(lines)
+    assert lines[0].startswith('Written d8 to d64 on m, TF 2 (')
+    assert '`python tools/startup.py --layers=8`; `python tools/startup.py --layers=64`' in lines[0]
+    assert sum(line.startswith('| ') and '| 1f1b |' in line for line in lines) == 4
+    goals = lines[-1]
+    assert 'at most 1.3 in 3 of 4 rows (the largest 1.50: L=64, K=4, 1f1b)' in goals
+    # vs plain = 1.5 x growth at K=4: 1.65 (L=8) and 2.25 (L=64); one within 2x.
+    assert 'at K=4 and M=32, 1.65–2.25 times the plain' in goals
+    assert 'at most 2 in 1 of 2 rows' in goals
+    assert '0 in every row (L = 8, 64)' in goals
+    assert "start-up at M=32 0.25 times the unrolled executor's" in goals  # 2g / 8g
+    assert text.count('| L | K | schedule |') == 1

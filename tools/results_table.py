@@ -293,15 +293,25 @@ def table(paths):
     """The markdown lines of `paths`, led by where and how they were measured when the files
     say so and the table does not already."""
     lines = _table(paths)
-    first = json.load(open(paths[0]))
-    meta = first[0] if isinstance(first, list) and first else first
-    if isinstance(meta, dict) and meta.get('command') and meta['command'] not in '\n'.join(lines):
-        lines = [
-            f'Written {meta.get("date", "")} on {meta.get("machine", "")}, TF '
-            f'{meta.get("tf_version", "")} (`{meta["command"]}`):',
-            '',
-        ] + lines
-    return lines
+    metas = []
+    for path in paths:
+        loaded = json.load(open(path))
+        meta = loaded[0] if isinstance(loaded, list) and loaded else loaded
+        if isinstance(meta, dict) and meta.get('command'):
+            metas.append(meta)
+    if not metas or metas[0]['command'] in '\n'.join(lines):
+        return lines
+    first = metas[0]
+    if len(metas) == 1 or not first.get('startup'):  # one file's table says one command
+        commands, dates = f'`{first["command"]}`', first.get('date', '')
+    else:  # tools/startup.py files merged into one table: each run's command
+        commands = '; '.join(f'`{m["command"]}`' for m in metas)
+        dates = f'{metas[0].get("date", "")} to {metas[-1].get("date", "")}'
+    return [
+        f'Written {dates} on {first.get("machine", "")}, TF '
+        f'{first.get("tf_version", "")} ({commands}):',
+        '',
+    ] + lines
 
 
 def startup_table(result):
@@ -353,7 +363,53 @@ def startup_table(result):
                 else ' |' * ratio
             )
         )
-    return lines
+    return lines + startup_goals(summary)
+
+
+def startup_goals(summary):
+    """Engine v3's start-up goals (issue 26) read off a training table that has M=4 and M=32:
+    growth from M=4 to M=32 at most 1.3, at most 2x the plain sequence's at K=4 and M=32, and
+    no node per extra micro-batch whatever L; against the unrolled executor where measured."""
+    rows = [s for s in summary if s['smallest_m'] == 4 and s['largest_m'] == 32]
+    if not rows or any(s['schedule'] in ('eval', 'fprop') for s in summary):
+        return []
+
+    def span(values):
+        low, high = f'{min(values):.2f}', f'{max(values):.2f}'
+        return low if low == high else f'{low}–{high}'
+
+    worst = max(rows, key=lambda s: s['growth'])
+    flat = sum(s['growth'] <= 1.3 for s in rows)
+    parts = [
+        f'start-up at M=32 over M=4 at most 1.3 in {flat} of {len(rows)} rows (the largest '
+        f'{worst["growth"]:.2f}: L={worst["layers"]}, K={worst["num_stages"]}, '
+        f'{worst["schedule"]})'
+    ]
+    k4 = [s for s in rows if s['num_stages'] == 4]
+    if k4:
+        within = sum(s['vs_plain'] <= 2 for s in k4)
+        parts.append(
+            f'at K=4 and M=32, {span([s["vs_plain"] for s in k4])} times the plain '
+            f"sequence's start-up (at most 2 in {within} of {len(k4)} rows)"
+        )
+    nodes = sorted({s['nodes_per_micro_batch'] for s in rows})
+    layers = sorted({s['layers'] for s in rows})
+    parts.append(
+        'nodes per extra micro-batch '
+        + (f'0 in every row (L = {", ".join(map(str, layers))})' if nodes == [0] else
+           f'{", ".join(f"{n:.0f}" for n in nodes)}')
+    )  # fmt: skip
+    unrolled = [s for s in rows if 'unrolled_startup_s' in s]
+    if unrolled:
+        parts.append(
+            'start-up at M=32 '
+            + span([s['startup_s']['32'] / s['unrolled_startup_s'] for s in unrolled])
+            + " times the unrolled executor's"
+        )
+    return [
+        '',
+        "Against engine v3's goals (computed from the rows above): " + '; '.join(parts) + '.',
+    ]
 
 
 def demos_table(result):
@@ -395,7 +451,8 @@ def _table(paths):
     if isinstance(first, dict) and 'demos' in first:
         return demos_table(first)
     if isinstance(first, dict) and first.get('startup'):
-        return startup_table(first)
+        # Several runs of one grid (e.g. one per L): one table over their summaries.
+        return startup_table(dict(first, summary=[s for r in loaded for s in r['summary']]))
     if isinstance(first, dict) and 'kill_log' in first:
         return fault_drill_table(first)
     if isinstance(first, dict) and 'table1' in first:
