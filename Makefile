@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint format clean engine-results plan-results results-tables readme-results startup-results demo-results
+.PHONY: demo test docs lint format clean engine-results plan-results results-tables readme-results startup-grid startup-results demo-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -75,13 +75,25 @@ plan-results: $(STAMP)
 	  --output=$(RESULTS)/plan_lm1b_tpu_v3.json --plot=docs/plan_lm1b_tpu_v3.png
 	$(MAKE) results-tables
 
-# Start-up (trace + first call) and steady step of every schedule, the tick loop and the
-# unrolled executor (the default) in the same process, beside the plain sequence, over K, M and L (run
-# on an idle machine: about 30 minutes on 2 cores; the tool's default grid, K, L up to 8, 64,
-# takes hours).
+# Engine v3's grid (issue 26): start-up and steady step of every schedule over K in {2, 4, 8},
+# M in {4, 8, 16, 32} and L in {8, 16} (the tick loop and the unrolled executor, the default,
+# in the same process) and L=64 at M=4 and 32 (the tick loop only: the unrolled executor alone
+# would take hours there), beside the plain sequence (run on an idle machine: about 90 minutes
+# on 2 cores).
+startup-grid: $(STAMP)
+	for l in 8 16; do \
+	  $(PY) tools/startup.py --compare_unrolled --num_stages=2,4,8 --layers=$$l \
+	    --micro_batches=4,8,16,32 --output=$(RESULTS)/startup_grid_l$$l.json \
+	    > $(RESULTS)/startup_grid_l$$l.txt || exit 1; done
+	$(PY) tools/startup.py --num_stages=2,4,8 --layers=64 --micro_batches=4,32 \
+	  --output=$(RESULTS)/startup_grid_l64.json > $(RESULTS)/startup_grid_l64.txt
+	$(MAKE) results-tables
+
+# Start-up (trace + first call) and steady step beside the plain sequence at other settings:
+# the unrolled executor alone, cells of d=256, K=8 with L=64 against the unrolled executor,
+# FProp under a tape, eval, and stages on TF workers (run on an idle machine: about 30 minutes
+# on 2 cores).
 startup-results: $(STAMP)
-	$(PY) tools/startup.py --compare_unrolled --num_stages=2,4 --layers=8,16 \
-	  --micro_batches=4,16,32 --output=$(RESULTS)/startup.json > $(RESULTS)/startup.txt
 	$(PY) tools/startup.py --notick_loop --num_stages=4 --layers=16 --micro_batches=4,16,32 \
 	  --output=$(RESULTS)/startup_unrolled.json > $(RESULTS)/startup_unrolled.txt
 	$(PY) tools/startup.py --compare_unrolled --dim=256 --num_stages=4 --layers=8 \

@@ -188,7 +188,8 @@ def test_docs_results_are_the_tools_output():
         'overheads',
         'max_model_size_transformer',
         'fault_drill',
-        'startup',
+        'startup_grid_l8',
+        'startup_grid_l64',
         'demos',
     ):
         assert any(f'docs/results/{name}.json' in b.split() for b in blocks), name

@@ -1,7 +1,7 @@
 """Start-up of a pipelined training step against the plain layer sequence's: trace, first call,
 graph size and steady step, over K, M, L and the schedules.
 
-    python tools/startup.py --output=docs/results/startup.json
+    python tools/startup.py --output=/tmp/grid.json   # the whole grid (hours; `make startup-grid`)
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
     python tools/startup.py --notick_loop ...   # the unrolled executor (the library default)
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
