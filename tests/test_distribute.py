@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tests.test_ownership import _tied_lm
 from tf_gpipe import fprop_context, gpipe, layers
+from tf_gpipe.gpipe import split_functions
 from tf_gpipe.keras import GPipe
 from tf_gpipe.runtime import cluster, distribute
 
@@ -43,13 +44,20 @@ def _bn_dropout_model():
     return sub
 
 
-def _pipe(sub, m, schedule, devices=None):
+def _pipe(sub, m, schedule, devices=None, tick_loop=False, recompute='except_last'):
+    v = 2 if schedule == 'interleaved_1f1b' else 1
     return (
         gpipe.PipelinedLayer.Params()
         .Set(name='pipe', sub=sub, num_partitions=2, partition_by='uniform', devices=devices)
-        .Set(num_micro_batches=m, schedule=schedule, recompute='except_last', random_seed=3)
+        .Set(num_micro_batches=m, schedule=schedule, recompute=recompute, random_seed=3)
+        .Set(virtual_stages=v, tick_loop=tick_loop, eval_loop=tick_loop)
         .Instantiate()
     )
+
+
+def _loops(graph):
+    """The tf.while_loops of a traced step (the tick loop's, FProp's two, eval's)."""
+    return [op for op in graph.get_operations() if op.type in ('While', 'StatelessWhile')]
 
 
 def _mse(y, t):
@@ -106,20 +114,25 @@ def _reference_step(pipe, x, t, loss_fn):
     return loss, grads
 
 
+@pytest.mark.parametrize('tick_loop', [False, True])
 @pytest.mark.parametrize('schedule, tape_fprop', [('gpipe', True), ('1f1b', False)])
 def test_two_replicas_of_two_stages_train_as_one_pipeline_with_r_times_m(
-    mesh, schedule, tape_fprop
+    mesh, schedule, tape_fprop, tick_loop
 ):
     """Batch norm (micro-batch statistics, moving averages from the global batch) and dropout
     (replica r's micro-batch m is global micro-batch r*M + m): loss, every gradient and the
-    moving averages on both replicas equal one pipeline's with M=4 on one row (1e-5)."""
+    moving averages on both replicas equal one pipeline's with M=4 on one row (1e-5), unrolled
+    and on the loops (tick_loop=True: the tick loop, or FProp's forward and backward loops,
+    once per replica)."""
     x = tf.random.stateless_normal([16, 8], [1, 2])
     t = tf.random.stateless_normal([16, 8], [3, 4])
     strategy = mesh.strategy()
     with strategy.scope():
-        pipe = _pipe(_bn_dropout_model(), 2, schedule)
+        pipe = _pipe(_bn_dropout_model(), 2, schedule, tick_loop=tick_loop)
     ref = _pipe(_bn_dropout_model(), 4, schedule, devices=pipe.replica_devices[0])
     loss, per_replica, graph = _distributed_step(strategy, pipe, x, t, _mse, tape_fprop)
+    per_step = (2 if tape_fprop else 1) if tick_loop else 0
+    assert len(_loops(graph)) == 2 * per_step, [op.name for op in _loops(graph)]
     want_loss, want = _reference_step(ref, x, t, _mse)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     scale = max(float(np.abs(g).max()) for g in want)
@@ -145,9 +158,13 @@ def test_two_replicas_of_two_stages_train_as_one_pipeline_with_r_times_m(
             assert len(replicas) <= 1, (op.name, [i.op.device for i in op.inputs])
 
 
-def test_tied_embedding_under_the_strategy(mesh):
+@pytest.mark.parametrize(
+    'schedule, tick_loop', [('gpipe', False), ('gpipe', True), ('zero_bubble', True)]
+)
+def test_tied_embedding_under_the_strategy(mesh, schedule, tick_loop):
     """The embedding in cell 0 read by the softmax in cell 1: its sparse and dense gradients
-    summed per replica, then over replicas, equal the plain sequence's."""
+    summed per replica, then over replicas, equal the plain sequence's, unrolled and on the
+    tick loop."""
     ids = tf.random.stateless_uniform([8, 6], [1, 1], 0, 16, tf.int32)
     labels = tf.random.stateless_uniform([8, 6], [2, 2], 0, 16, tf.int32)
     plain = layers.SequentialLayer.Params().Set(name='p', sub=_tied_lm(), random_seed=3)
@@ -161,8 +178,9 @@ def test_tied_embedding_under_the_strategy(mesh):
     want = tape.gradient(want_loss, plain.trainable_variables)
     strategy = mesh.strategy()
     with strategy.scope():
-        pipe = _pipe(_tied_lm(), 2, 'gpipe')
-    loss, per_replica, _ = _distributed_step(strategy, pipe, ids, labels, loss_fn)
+        pipe = _pipe(_tied_lm(), 2, schedule, tick_loop=tick_loop)
+    loss, per_replica, graph = _distributed_step(strategy, pipe, ids, labels, loss_fn)
+    assert len(_loops(graph)) == (2 if tick_loop else 0)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     want = {v.name: tf.convert_to_tensor(g) for v, g in zip(plain.trainable_variables, want)}
     scale = max(float(np.abs(g).max()) for g in want.values())
@@ -172,6 +190,63 @@ def test_tied_embedding_under_the_strategy(mesh):
             np.testing.assert_allclose(
                 tf.convert_to_tensor(g), want[v.name], rtol=1e-5, atol=1e-5 * scale, err_msg=v.name
             )
+
+
+SCHEDULES = ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble']
+
+
+@pytest.mark.parametrize(
+    'schedule, recompute, tick_loop',
+    [(s, r, True) for s in SCHEDULES for r in ('always', 'except_last', 'never')]
+    + [('zero_bubble', 'never', False), ('interleaved_1f1b', 'never', False)],
+)
+def test_every_schedule_and_policy_under_the_strategy(mesh, schedule, recompute, tick_loop):
+    """Under the strategy every schedule and recompute policy on the tick loop, and zero-bubble's
+    split of a kept micro-batch (F, B and W cut from one trace) unrolled, equal one pipeline
+    with R*M micro-batches on one row (batch norm and dropout, 1e-5)."""
+    x = tf.random.stateless_normal([16, 8], [5, 6])
+    t = tf.random.stateless_normal([16, 8], [7, 8])
+    strategy = mesh.strategy()
+    with strategy.scope():
+        pipe = _pipe(_bn_dropout_model(), 2, schedule, tick_loop=tick_loop, recompute=recompute)
+    ref = _pipe(_bn_dropout_model(), 4, schedule, pipe.replica_devices[0], recompute=recompute)
+    loss, per_replica, graph = _distributed_step(strategy, pipe, x, t, _mse)
+    want_loss, want = _reference_step(ref, x, t, _mse)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    scale = max(float(np.abs(g).max()) for g in want)
+    for copies, w, v in zip(per_replica, want, ref.trainable_variables):
+        for g in copies:
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * scale, err_msg=v.name)
+    assert len(_loops(graph)) == (2 if tick_loop else 0)
+    if schedule == 'zero_bubble' and recompute == 'never':  # the cut, not a tape's fallback
+        cut = [f for r in pipe._runners[0] for f in r._split.values()]
+        assert any(isinstance(f, split_functions.SplitFunctions) for f in cut), cut
+
+
+def test_eval_under_the_strategy_runs_the_forward_loop(mesh):
+    """Eval's FProp inside strategy.run: each replica's share by the forward loop (one per
+    replica in the graph), merged, equals the plain sequence's outputs."""
+    x = tf.random.stateless_normal([16, 8], [9, 9])
+    strategy = mesh.strategy()
+    with strategy.scope():
+        pipe = _pipe(_bn_dropout_model(), 2, 'gpipe', tick_loop=True)
+    plain = layers.SequentialLayer.Params().Set(name='p', sub=_bn_dropout_model(), random_seed=3)
+    plain = plain.Instantiate()
+    with fprop_context.eval_mode():
+        want = plain.FProp(x)
+    batch = next(iter(strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensors(x))))
+
+    @tf.function
+    def step(xb):
+        def replica(xb):
+            with fprop_context.eval_mode():
+                return pipe.FProp(xb)
+
+        return strategy.experimental_local_results(strategy.run(replica, (xb,)))
+
+    got = tf.concat(step(batch), 0)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(_loops(step.get_concrete_function(batch).graph)) == 2
 
 
 def test_errors_name_the_fix(mesh):
@@ -210,10 +285,14 @@ def DATA():
 
 
 @pytest.mark.parametrize(
-    'schedule, optimizer',
-    [('gpipe', lambda: keras.optimizers.SGD(0.1, momentum=0.9)), ('1f1b', keras.optimizers.Adam)],
+    'schedule, optimizer, tick_loop',
+    [
+        ('gpipe', lambda: keras.optimizers.SGD(0.1, momentum=0.9), False),
+        ('1f1b', keras.optimizers.Adam, False),
+        ('1f1b', keras.optimizers.Adam, True),
+    ],
 )
-def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimizer):
+def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimizer, tick_loop):
     """GPipe built in mesh.strategy().scope(), compile/fit as usual: the history and every
     weight of plain Keras on one device (1e-5), the slots beside their variables. 65 examples
     in batches of 16: the last batch's one example leaves replica 1 an empty share."""
@@ -223,7 +302,7 @@ def test_keras_fit_under_the_strategy_equals_one_device(mesh, schedule, optimize
     want = _fit(plain, optimizer(), x, y)
     with mesh.strategy().scope():
         model = GPipe(_keras_model(batch_norm=False), num_partitions=2, num_micro_batches=2,
-                      schedule=schedule)  # fmt: skip
+                      schedule=schedule, tick_loop=tick_loop)  # fmt: skip
         got = _fit(model, optimizer(), x, y)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     for a, b in zip(model.get_weights(), plain.get_weights()):

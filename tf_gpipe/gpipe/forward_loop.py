@@ -24,8 +24,6 @@ def unsupported(micro_inputs):
     """Why the waves cannot run as loops (the unrolled executor runs them), or None."""
     if tf.executing_eagerly():
         return 'eager execution'
-    if tf.distribute.has_strategy():
-        return 'a tf.distribute strategy'  # as the training loop (tick_loop.unsupported)
     if trace.recording():
         return 'a timeline is being recorded'
     first = [spec_of(t) for t in tf.nest.flatten(micro_inputs[0])]

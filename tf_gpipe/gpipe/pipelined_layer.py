@@ -84,8 +84,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks, and '
             "gpipe's FProp under a tape as a forward and a backward loop: a program and "
             'start-up flat in M (tick_loop.py, backward_loop.py), for now a slower steady step '
-            'and a higher peak memory. False, or a step it cannot run (eager, a strategy, uneven '
-            'micro-batches; said in the log): the unrolled executor, one call per action, its '
+            'and a higher peak memory. False, or a step it cannot run (eager, uneven micro-batches; '
+            'said in the log): the unrolled executor, one call per action, its '
             'program growing with M.',
         )
         p.Define(
@@ -95,8 +95,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             "start-up flat in M, a steady step about 1.1x the unrolled wave's with tiny cells "
             '(forward_loop.py). None (auto): the loop when the cells are in one process, the '
             'unrolled wave when they span TF tasks (each tick would cross processes: slower). '
-            'True: the loop wherever it can run; False, or a call it cannot run (eager, a '
-            'strategy, uneven micro-batches; said in the log): one call per cell and '
+            'True: the loop wherever it can run; False, or a call it cannot run (eager, uneven '
+            'micro-batches; said in the log): one call per cell and '
             'micro-batch.',
         )
         return p

@@ -283,11 +283,12 @@ class CellRunner:
     def ForwardSplit(self, inputs, targets, step, micro_batch):
         """Zero-bubble's forward of a kept micro-batch: (outputs, state for SplitBackward).
 
-        Three calls cut from one trace (split_functions.py) where the graph allows; eager, XLA,
-        a tf.distribute strategy or ordered state in the forward fall back to a tape, whose B
-        then computes the weight gradients too (exact; the W that follows has nothing to do)."""
+        Three calls cut from one trace (split_functions.py) where the graph allows (under a
+        tf.distribute strategy too); eager, XLA or ordered state in the forward fall back to a
+        tape, whose B then computes the weight gradients too (exact; the W that follows has
+        nothing to do)."""
         fns = None
-        if not (self._jit or tf.executing_eagerly() or tf.distribute.has_strategy()):
+        if not (self._jit or tf.executing_eagerly()):
             fns = self.Split(inputs, targets, step, micro_batch)
         if fns is None:
             return self.ForwardKeep(inputs, targets, step, micro_batch)

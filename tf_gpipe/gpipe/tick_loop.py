@@ -51,8 +51,6 @@ def unsupported(sched, policy, micro_inputs, micro_targets):
     """Why this step cannot run as a tick loop (the unrolled executor runs it), or None."""
     if tf.executing_eagerly():
         return 'eager execution'
-    if tf.distribute.has_strategy():
-        return 'a tf.distribute strategy'
     if trace.recording():
         return 'a timeline is being recorded'
     for micro in (micro_inputs, micro_targets):
