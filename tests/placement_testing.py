@@ -22,7 +22,8 @@ def _tail(device):
 
 def misplaced_updates(graph):
     """Assignments of a non-scalar value computed off its variable's device (a counter or a
-    metric's total may come from anywhere)."""
+    metric's total may come from anywhere), and fused updates (ResourceApplyAdam, ...) placed
+    off their variable's device."""
     devices = {internal.ref(): external.device for external, internal in graph.captures}
 
     def device(tensor):  # as the placer will decide for a variable's reader or an identity
@@ -33,6 +34,12 @@ def misplaced_updates(graph):
 
     bad = []
     for op in graph.get_operations():
+        if op.type.startswith(
+            'ResourceApply'
+        ):  # a fused update (var, slots, ...): runs on its device
+            want = _tail(devices.get(op.inputs[0].ref(), ''))
+            if want and _tail(op.device) != want:
+                bad.append(f'{op.name}: on {_tail(op.device) or "no device"}, variable on {want}')
         if op.type in ASSIGNS and op.inputs[1].shape.rank != 0:
             want = _tail(devices.get(op.inputs[0].ref(), ''))
             got = _tail(device(op.inputs[1]))

@@ -268,7 +268,10 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
 def test_demo_results_measures_both_demos(tmp_path):
     """The tool behind the quick start's table, on a few steps: its file renders as the table."""
     out = tmp_path / 'demos.json'
-    _run(['tools/demo_results.py', f'--out={out}', '--steps_scale=0.01'], timeout=600)
+    _run(
+        ['tools/demo_results.py', f'--out={out}', '--steps_scale=0.01', '--first_step_runs=1'],
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert [r['model'] for r in result['demos']] == [
         'lm.synthetic.TransformerLmTiny',
@@ -279,6 +282,8 @@ def test_demo_results_measures_both_demos(tmp_path):
     for r in result['demos']:  # decoding speed, with caches and without: measured
         speed = r['decode_tokens_per_sec']
         assert all(0 < speed[m]['min'] <= speed[m]['median'] for m in ('incremental', 'recompute'))
+        fresh = r['first_step_fresh_s']  # make demo's first step, in a new trainer process
+        assert fresh['runs'] == 1 and 0 < fresh['min'] == fresh['median'] == fresh['max'], fresh
     table = _run(['tools/results_table.py', str(out)])
     assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | gpipe | 4 |' in table
 

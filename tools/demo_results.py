@@ -10,10 +10,16 @@ first test batch (translation: beam search of 4; language model: sampling the se
 each sequence), with the attention caches and by recomputing the prefix, in tokens/s: one
 warm-up run (the traces), then the median, least and most of DECODE_RUNS runs. One training run
 each: the figures of one machine at one time, as the file's metadata says.
+
+The first step as `make demo` meets it is also timed in --first_step_runs fresh processes per
+demo (`tools/trainer.py --mode=train`, one step, the "First step done in" line of its log):
+the median, least and most, since a first step varies from process to process by a second.
 """
 
 import glob
 import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +34,10 @@ STEPS_SCALE = flags.DEFINE_float(
     'steps_scale', 1.0, "Train steps = each demo's steps times this (a quick check: 0.02)."
 )
 DECODE_RUNS = 5
+FIRST_STEP_RUNS = flags.DEFINE_integer(
+    'first_step_runs', 5, 'Fresh trainer processes per demo that time its first step.'
+)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMOS = (('lm.synthetic.TransformerLmTiny', 300), ('mt.synthetic.TransformerNmtTiny', 400))
 
 
@@ -78,6 +88,32 @@ def run_demo(key, steps, logdir):
     return row
 
 
+def first_step_in_fresh_processes(key, runs):
+    """{median, min, max, runs}: the first step's seconds (tracing included) that `make demo`
+    logs, each run a new trainer process training one step in a new logdir."""
+    import numpy as np
+
+    seconds = []
+    for _ in range(runs):
+        with tempfile.TemporaryDirectory() as logdir:
+            command = [
+                sys.executable,
+                os.path.join(ROOT, 'tools', 'trainer.py'),
+                f'--model={key}',
+                f'--logdir={logdir}',
+                '--num_logical_cpus=4',
+                '--mode=train',
+                '--params_override=task.train.max_steps=1',
+            ]
+            done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+            found = re.search(r'First step done in ([0-9.]+) s', done.stderr)
+            if done.returncode or not found:
+                raise RuntimeError(f'{" ".join(command)} failed:\n{done.stderr[-3000:]}')
+            seconds.append(float(found.group(1)))
+    seconds.sort()
+    return dict(median=float(np.median(seconds)), min=seconds[0], max=seconds[-1], runs=runs)
+
+
 def decode_speed(t, key):
     """{mode: {median, min, max}} tokens/s of decoding the first test batch."""
     import numpy as np
@@ -120,7 +156,8 @@ def main(argv):
         with tempfile.TemporaryDirectory() as logdir:
             steps = max(2, round(steps * STEPS_SCALE.value))
             rows.append(run_demo(key, steps, os.path.join(logdir, 'run')))
-            print(rows[-1], flush=True)
+        rows[-1]['first_step_fresh_s'] = first_step_in_fresh_processes(key, FIRST_STEP_RUNS.value)
+        print(rows[-1], flush=True)
     write_json(OUT.value, dict(demos=rows, **run_metadata()))
 
 

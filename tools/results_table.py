@@ -415,9 +415,10 @@ def startup_goals(summary):
 def demos_table(result):
     lines = [
         '| model | K | M | schedule | steps | loss: first step, last | eval accuracy | BLEU | '
-        'first step s | steps/s after it (evals, checkpoints in) | examples/s | wall s | '
-        'decoding tokens/s: attention caches, recomputing the prefix |',
-        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+        'first step s | first step s, fresh processes | steps/s after it (evals, checkpoints '
+        'in) | examples/s | wall s | decoding tokens/s: attention caches, recomputing the '
+        'prefix |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     for r in result['demos']:
         bleu = f'{r["bleu"]:.1f}' if 'bleu' in r else ''
@@ -430,10 +431,12 @@ def demos_table(result):
             if speed
             else ''
         )
+        fresh = r.get('first_step_fresh_s')
+        fresh = f'{fresh["median"]:.1f} ({fresh["min"]:.1f}–{fresh["max"]:.1f})' if fresh else ''
         lines.append(
             f'| {r["model"]} | {r["num_partitions"]} | {r["num_micro_batches"]} | '
             f'{r["schedule"]} | {r["steps"]} | {r["first_loss"]:.2f}, {r["last_loss"]:.3f} | '
-            f'{r["eval_accuracy"]:.3f} | {bleu} | {r["first_step_s"]:.1f} | '
+            f'{r["eval_accuracy"]:.3f} | {bleu} | {r["first_step_s"]:.1f} | {fresh} | '
             f'{r["steps_per_sec"]:.1f} | {r["examples_per_sec"]:.0f} | {r["wall_s"]:.0f} | '
             f'{decode} |'
         )
@@ -442,6 +445,14 @@ def demos_table(result):
               f'`{result["command"]}` (one training run; decoding: the median (least–most) of '
               f'{runs} runs of the first test batch after a warm-up: beam search of 4 for '
               f'translation, sampling for the language model).']  # fmt: skip
+    fresh = result['demos'][0].get('first_step_fresh_s')
+    if fresh:
+        lines[-1] += (
+            ' "First step s" is the training run\'s, in a process that had run the other demo '
+            'first for the second row; "fresh processes" is the median (least–most) of '
+            f'{fresh["runs"]} new trainer processes training one step each, as `make demo` '
+            'starts.'
+        )
     return lines
 
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tf_gpipe import hyperparams
 from tf_gpipe.nested_map import NestedMap
 from tf_gpipe.runtime import distribute, placement
+from tf_gpipe.trainer import fused_adam
 
 OPTIMIZERS = ('sgd', 'momentum', 'adam', 'rmsprop')
 SCHEDULES = ('constant', 'warmup_rsqrt', 'cosine')
@@ -83,6 +84,9 @@ class Learner:
     def Build(self, variables):
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
+        self._fused = None
+        if fused_adam.applies(self.optimizer):
+            self._fused = fused_adam.FusedAdam(self.optimizer, variables)
 
     def Apply(self, grads, variables, regularized=(), loss=None):
         """Clips, adds L2, applies; returns NestedMap(grad_norm, learning_rate[, finite]).
@@ -136,6 +140,11 @@ class Learner:
 
     def Update(self, grads, variables):
         """The optimizer's update with prepared (already summed) gradients."""
+        if getattr(self, '_fused', None) is not None and not tf.distribute.has_strategy():
+            # Adam's update as one fused op per variable (fused_adam.py); under a strategy
+            # Keras's apply updates every replica's copy.
+            self._fused.Apply(grads, variables, self.schedule(self.optimizer.iterations))
+            return
         # Prepare summed the replicas' gradients (before L2 and clipping): not the optimizer
         # again.
         placement.apply_gradients(self.optimizer, zip(grads, variables), summed=True)
