@@ -38,6 +38,7 @@ class Uses:
         self.reads = {}  # variable ref -> [read tensors]
         self.points = {}  # variable ref -> [(use op, [its float outputs])]
         self.stops = {}  # variable ref -> [the uses' other inputs]
+        self._chains = set()  # every read and its identities and casts, of every variable
         unsplit = {}
         for op in ops:
             if not op.inputs or op.inputs[0].ref() not in by_handle:
@@ -65,6 +66,7 @@ class Uses:
                     uses = self.points.setdefault(v.ref(), [])
                     if all(u is not consumer for u, _ in uses):
                         uses.append((consumer, outs))
+            self._chains |= chain
             self.stops.setdefault(v.ref(), [])
             for use, _ in self.points.get(v.ref(), []):
                 self.stops[v.ref()] += [x for x in use.inputs if x.ref() not in chain]
@@ -83,22 +85,66 @@ class Uses:
         return [t for v in self.split for _, outs in self.points.get(v.ref(), []) for t in outs]
 
     def WeightGradients(self, point_grads):
-        """[(variable, gradient)] of the split variables from B's gradients of `Tensors()`."""
+        """[(variable, gradient)] of the split variables from B's gradients of `Tensors()`.
+
+        Each `tf.gradients` call walks every op downstream of its sources (the whole rest of
+        the trace), so a call per variable cost time quadratic in the cell's size. The
+        variables are grouped instead, a call per group: two variables share one unless a
+        use of one stops at a use of the other (a matmul's output feeding a bias add), since
+        a stop there would cut the other's flow. Within a group flow stops at every use's
+        other inputs but a variable's read, identity or cast (a product of two weights), so
+        each use's gradient reaches its own variables' reads once: the per-variable result,
+        a handful of walks per cell (tests/test_weight_gradients.py)."""
         grads = iter(point_grads)
-        result = []
+        targets = {}  # variable ref -> [(use output, B's gradient of it)]
+        owners = {}  # use output ref -> refs of the variables it is a use of
         for v in self.split:
-            ys, dys = [], []
             for _, outs in self.points.get(v.ref(), []):
                 for y in outs:
                     dy = next(grads)
                     if dy is not None:
+                        targets.setdefault(v.ref(), []).append((y, dy))
+                        owners.setdefault(y.ref(), set()).add(v.ref())
+        groups = self._Groups([v for v in self.split if v.ref() in targets], owners)
+        summed = {}
+        for group in groups:
+            ys, dys, seen, stops, stopped = [], [], set(), [], set()
+            for v in group:
+                for y, dy in targets[v.ref()]:
+                    if y.ref() not in seen:  # a use of two variables: one target
+                        seen.add(y.ref())
                         ys.append(y)
                         dys.append(dy)
-            if not ys:
-                result.append((v, tf.zeros_like(v)))
-                continue
-            reads = self.reads[v.ref()]
-            parts = tf.gradients(ys, reads, grad_ys=dys, stop_gradients=self.stops[v.ref()])
-            parts = [tf.cast(p, v.dtype) for p in parts if p is not None]
-            result.append((v, tf.add_n(parts) if parts else tf.zeros_like(v)))
-        return result
+                for t in self.stops[v.ref()]:
+                    if t.ref() not in self._chains and t.ref() not in stopped:
+                        stopped.add(t.ref())
+                        stops.append(t)
+            reads = [(v, r) for v in group for r in self.reads[v.ref()]]
+            parts = tf.gradients(ys, [r for _, r in reads], grad_ys=dys, stop_gradients=stops)
+            for (v, _), g in zip(reads, parts):
+                if g is not None:
+                    summed.setdefault(v.ref(), []).append(tf.cast(g, v.dtype))
+        return [
+            (v, tf.add_n(summed[v.ref()]) if v.ref() in summed else tf.zeros_like(v))
+            for v in self.split
+        ]
+
+    def _Groups(self, variables, owners):
+        """`variables` in groups (greedy colouring) with no variable whose use stops at a use
+        of another variable of its group."""
+        clash = {v.ref(): set() for v in variables}
+        for v in variables:
+            for t in self.stops[v.ref()]:
+                for other in owners.get(t.ref(), ()):
+                    if other != v.ref() and other in clash:
+                        clash[v.ref()].add(other)
+                        clash[other].add(v.ref())
+        groups, group_of = [], {}
+        for v in variables:
+            taken = {group_of[o] for o in clash[v.ref()] if o in group_of}
+            g = next((i for i in range(len(groups)) if i not in taken), len(groups))
+            if g == len(groups):
+                groups.append([])
+            groups[g].append(v)
+            group_of[v.ref()] = g
+        return groups
