@@ -1,5 +1,7 @@
 """Zero-bubble's B/W split on a kept forward: exact, and W is local (one op per weight use)."""
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 
@@ -67,27 +69,37 @@ def test_split_backward_equals_the_tape_and_w_is_local():
     assert unsplit == ['emb:0']
 
 
-def test_float32_split_is_exact_to_1e6():
-    ws, bias, _ = _variables()
-    variables = ws + [bias]
-    x = tf.random.normal([5, 6])
-    dy = tf.random.normal([5, 6])
+def _w_against_the_tape(forward, variables, x, dy, around_w=contextlib.nullcontext):
+    """(the tape's gradients of `variables`, W's) for forward(x) and output gradient dy, W
+    built inside `around_w()`."""
 
     @tf.function
     def run():
         graph = tf.compat.v1.get_default_graph()
         with tf.GradientTape(persistent=True) as tape:
             first = len(graph.get_operations())
-            h = x
-            for w in ws + ws[::-1]:  # every weight used twice, chained through the other uses
-                h = tf.tanh(h @ w + bias)
+            h = forward(x)
             ops = graph.get_operations()[first:]
         want = tape.gradient(h, variables, output_gradients=dy)
         uses = weight_gradients.Uses(ops, variables)
         points = tape.gradient(h, uses.Tensors(), output_gradients=dy)
-        return want, [g for _, g in uses.WeightGradients(points)]
+        with around_w():
+            got = dict((v.ref(), g) for v, g in uses.WeightGradients(points))
+        return want, [got[v.ref()] for v in variables]
 
-    want, got = run()
+    return run()
+
+
+def test_float32_split_is_exact_to_1e6():
+    ws, bias, _ = _variables()
+
+    def forward(h):
+        for w in ws + ws[::-1]:  # every weight used twice, chained through the other uses
+            h = tf.tanh(h @ w + bias)
+        return h
+
+    x, dy = tf.random.normal([5, 6]), tf.random.normal([5, 6])
+    want, got = _w_against_the_tape(forward, ws + [bias], x, dy)
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
@@ -103,32 +115,24 @@ def test_w_walks_the_trace_a_few_times_not_once_per_variable(monkeypatch):
         calls.append(1)
         return real(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def counted():
+        monkeypatch.setattr(tf, 'gradients', counting)
+        yield
+        monkeypatch.setattr(tf, 'gradients', real)
+
     tf.random.set_seed(4)
     ws = [tf.Variable(tf.random.normal([6, 6]) * 0.5, name=f'w{i}') for i in range(6)]
     bs = [tf.Variable(tf.random.normal([6]), name=f'b{i}') for i in range(6)]
     gs = [tf.Variable(1.0 + tf.random.normal([6]) * 0.1, name=f'g{i}') for i in range(6)]
-    variables = ws + bs + gs
-    x = tf.random.normal([5, 6])
-    dy = tf.random.normal([5, 6])
 
-    @tf.function
-    def run():
-        graph = tf.compat.v1.get_default_graph()
-        with tf.GradientTape(persistent=True) as tape:
-            first = len(graph.get_operations())
-            h = x
-            for w, b, g in zip(ws, bs, gs):
-                h = tf.tanh(h @ w + b) * g
-            ops = graph.get_operations()[first:]
-        want = tape.gradient(h, variables, output_gradients=dy)
-        uses = weight_gradients.Uses(ops, variables)
-        points = tape.gradient(h, uses.Tensors(), output_gradients=dy)
-        monkeypatch.setattr(tf, 'gradients', counting)
-        got = dict((v.ref(), g) for v, g in uses.WeightGradients(points))
-        monkeypatch.setattr(tf, 'gradients', real)
-        return want, [got[v.ref()] for v in variables]
+    def forward(h):
+        for w, b, g in zip(ws, bs, gs):
+            h = tf.tanh(h @ w + b) * g
+        return h
 
-    want, got = run()
+    x, dy = tf.random.normal([5, 6]), tf.random.normal([5, 6])
+    want, got = _w_against_the_tape(forward, ws + bs + gs, x, dy, counted)
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
     assert len(calls) == 2, len(calls)
