@@ -34,9 +34,8 @@ def misplaced_updates(graph):
 
     bad = []
     for op in graph.get_operations():
-        if op.type.startswith(
-            'ResourceApply'
-        ):  # a fused update (var, slots, ...): runs on its device
+        # A fused update (its variable, slots, ...) runs where the op is placed.
+        if op.type.startswith('ResourceApply'):
             want = _tail(devices.get(op.inputs[0].ref(), ''))
             if want and _tail(op.device) != want:
                 bad.append(f'{op.name}: on {_tail(op.device) or "no device"}, variable on {want}')

@@ -68,6 +68,7 @@ class Learner:
         if p.schedule not in SCHEDULES:
             raise ValueError(f'learner.schedule must be one of {SCHEDULES}, got {p.schedule!r}.')
         self.schedule = _Schedule(p)
+        self._fused = None  # fused_adam.FusedAdam once Build finds a plain Adam
         if p.optimizer == 'sgd':
             self.optimizer = keras.optimizers.SGD(self.schedule)
         elif p.optimizer == 'momentum':
@@ -84,7 +85,6 @@ class Learner:
     def Build(self, variables):
         """Creates the optimizer's slots, each on its variable's device."""
         placement.build_optimizer(self.optimizer, variables)
-        self._fused = None
         if fused_adam.applies(self.optimizer):
             self._fused = fused_adam.FusedAdam(self.optimizer, variables)
 
@@ -140,7 +140,7 @@ class Learner:
 
     def Update(self, grads, variables):
         """The optimizer's update with prepared (already summed) gradients."""
-        if getattr(self, '_fused', None) is not None and not tf.distribute.has_strategy():
+        if self._fused is not None and not tf.distribute.has_strategy():
             # Adam's update as one fused op per variable (fused_adam.py); under a strategy
             # Keras's apply updates every replica's copy.
             self._fused.Apply(grads, variables, self.schedule(self.optimizer.iterations))
