@@ -162,13 +162,16 @@ def test_op_type_names_and_the_captured_variable_handle():
 
 
 def test_keras_variable_value_is_the_backing_tf_variable():
-    """keras_layer.py, keras_state.py and train_steps.backing read `KerasVariable.value`: under
-    the TF backend it is the tf.Variable itself (its handle, device and .ref() are what the
-    pipeline's tapes and placement see)."""
+    """keras/layer.py, keras/state.py and runtime/variables.backing read `KerasVariable.value`:
+    under the TF backend it is the tf.Variable itself (its handle, device and .ref() are what
+    the pipeline's tapes and placement see)."""
     import keras
+
+    from tf_gpipe.runtime.variables import backing
 
     v = keras.Variable(tf.ones([3]))
     assert isinstance(v.value, tf.Variable)
     assert v.value is v.value  # one variable, not a fresh read
+    assert backing(v) is v.value and backing(v.value) is v.value
     v.assign(tf.zeros([3]))
     assert float(tf.reduce_sum(v.value)) == 0.0

@@ -216,3 +216,26 @@ def test_except_last_recomputes_what_would_wait_across_ticks():
         assert not loop(name, 'except_last').carried and loop(name, 'except_last').fused
     assert loop('zero_bubble', 'except_last').carried
     assert len(loop('gpipe', 'never').carried) == 7  # all but the last cell's last one (fused)
+
+
+@pytest.mark.parametrize(
+    'schedule,policy,last_traces',
+    [('1f1b', 'except_last', 1), ('1f1b', 'always', 2), ('gpipe', 'except_last', 3)],
+)
+def test_a_cell_is_traced_only_for_the_calls_its_branches_make(
+    schedule, policy, last_traces, monkeypatch
+):
+    """1F1B's last cell under 'except_last' runs only fused forward-and-backward calls: its
+    outputs' specs come from that trace, with no forward traced for nothing (a cell's trace
+    is most of the loop's). Where the cell also runs forwards ('always'; gpipe's recomputed
+    micro-batches: forward, recompute, fused), each is traced once."""
+    calls = []
+    fprop = layers.FCLayer.FProp
+    monkeypatch.setattr(
+        layers.FCLayer, 'FProp', lambda self, x: calls.append(self.params.name) or fprop(self, x)
+    )
+    pipe = _pipe(schedule, policy, 4, True)
+    x = tf.random.stateless_normal([8, 6], [1, 2])
+    tf.function(lambda x: pipe.ComputeGradients(x, x, _loss)).get_concrete_function(x)
+    assert calls.count('fc3') == last_traces  # fc3 is the last cell's last layer
+    assert calls.count('fc0') == 2  # the first cell: its forward and its recompute

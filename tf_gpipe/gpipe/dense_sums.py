@@ -24,9 +24,13 @@ class DenseSums:
         return variable.ref() in self._held
 
     def New(self):
-        """Zero sums, under the current device: one list per dtype."""
+        """Zero sums, under the current device: one list per dtype. Its entries start unset,
+        which a read takes as zeros of the entry's shape (TensorListGetItem): no zeros are
+        built, and none held before a variable's first gradient."""
         return [
-            _zeros(tuple(tuple(sp.shape.as_list()) for _, sp in g), g[0][1].dtype)
+            tf.raw_ops.TensorListReserve(
+                element_shape=-1, num_elements=len(g), element_dtype=g[0][1].dtype
+            )
             for g in self.groups
         ]
 
@@ -39,7 +43,8 @@ class DenseSums:
             at = tuple(vi for vi, (v, _) in enumerate(group) if v.ref() in grads)
             if at:
                 present = [grads[group[vi][0].ref()] for vi in at]
-                lists[gi] = _add(lists[gi], present, at, group[0][1].dtype)
+                shapes = tuple(tuple(group[vi][1].shape.as_list()) for vi in at)
+                lists[gi] = _add(lists[gi], present, at, shapes, group[0][1].dtype)
         return lists
 
     def Read(self, lists):
@@ -47,32 +52,21 @@ class DenseSums:
         out = []
         for handle, group in zip(lists, self.groups):
             for vi, (v, sp) in enumerate(group):
-                out.append((v, tf.ensure_shape(_get(handle, vi, sp.dtype), sp.shape)))
+                out.append((v, _get(handle, vi, sp.shape, sp.dtype)))
         return out
 
 
-def _get(handle, index, dtype):
+def _get(handle, index, shape, dtype):
+    """Entry `index` (zeros of `shape` while unset), its static shape `shape`."""
     return tf.raw_ops.TensorListGetItem(
-        input_handle=handle, index=index, element_shape=-1, element_dtype=dtype
+        input_handle=handle, index=index, element_shape=shape, element_dtype=dtype
     )
 
 
 @tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _zeros(shapes, dtype):
-    handle = tf.raw_ops.TensorListReserve(
-        element_shape=-1, num_elements=len(shapes), element_dtype=dtype
-    )
-    for i, shape in enumerate(shapes):
-        handle = tf.raw_ops.TensorListSetItem(
-            input_handle=handle, index=i, item=tf.zeros(shape, dtype)
-        )
-    return handle
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _add(handle, grads, at, dtype):
+def _add(handle, grads, at, shapes, dtype):
     """One call per backward: each entry at `at` replaced by itself + its gradient."""
-    for i, g in zip(at, grads):
-        total = _get(handle, i, dtype) + tf.cast(g, dtype)
+    for i, g, shape in zip(at, grads, shapes):
+        total = _get(handle, i, shape, dtype) + tf.cast(g, dtype)
         handle = tf.raw_ops.TensorListSetItem(input_handle=handle, index=i, item=total)
     return handle

@@ -150,12 +150,14 @@ class CellRunner:
             return self._Run(inputs, targets)
 
     def _Backward(self, inputs, targets, output_grads, step, micro_batch, want):
-        """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W)."""
+        """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W). With a
+        loss head, `output_grads` may be the weighted loss's gradient alone."""
         with distribute.on(self.device), self._Scope(step, micro_batch, recompute=True):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             tape, sources, outputs = self._RunTaped(inputs, targets)
             self._CheckNoStateChange(graph.get_operations()[first:])
+            output_grads = self._FromLoss(outputs, output_grads)
             variables = self._NoteRead(tape.watched_variables())
             return self._Gradients(tape, sources, outputs, output_grads, variables, want)
 
@@ -165,15 +167,17 @@ class CellRunner:
         With a loss head, `output_grads` may be the weighted loss's gradient alone."""
         with distribute.on(self.device), self._Scope(step, micro_batch):
             tape, sources, outputs = self._RunTaped(inputs, targets)
-            if self.head is not None and not isinstance(output_grads, tuple):
-                output_grads = (
-                    tf.nest.map_structure(lambda _: None, outputs[0]),
-                    output_grads,
-                    None,
-                )
+            output_grads = self._FromLoss(outputs, output_grads)
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (outputs,) + grads
+
+    def _FromLoss(self, outputs, output_grads):
+        """With a loss head, `output_grads` may be the weighted loss's gradient alone (the
+        caller then needs no spec of the cell's outputs): as (None per output, d loss, None)."""
+        if self.head is None or isinstance(output_grads, tuple):
+            return output_grads
+        return (tf.nest.map_structure(lambda _: None, outputs[0]), output_grads, None)
 
     def _CheckNoStateChange(self, ops):
         """Refuses a layer whose forward assigns a variable, in the recompute's trace: the

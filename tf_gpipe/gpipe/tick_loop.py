@@ -87,21 +87,27 @@ def _is_float_spec(spec):
 class _Stage:
     """What the loop knows of stage s before it runs: its calls traced, its message shapes."""
 
-    def __init__(self, index, runner, in_struct, tgt_struct, step_spec, mb_spec, sched):
+    def __init__(self, index, runner, in_struct, tgt_struct, sched, fused_only):
         self.index = index
         self.runner = runner
         self.device = runner.device
         self.last = index == sched.num_stages - 1
         self.in_struct = in_struct  # structure of TensorSpecs (None leaves allowed)
         self.tgt_struct = tgt_struct if self.last else None
-        forward = runner._forward.get_concrete_function(
-            in_struct, self.tgt_struct, step_spec, mb_spec, True
-        )
-        out = tf.nest.map_structure(spec_of, forward.structured_outputs)
-        if self.last and runner.head is not None:
-            self.out_struct = out[0]  # (outputs, weighted loss, weight)
+        # The loop runs ComputeGradients: its last cell ends with the loss head.
+        if self.last and fused_only:
+            # Only fused calls run this cell (1F1B's last, every micro-batch kept): its
+            # outputs' specs come from that trace, not from a forward's that nothing calls.
+            call = runner._forward_backward.get_concrete_function(
+                in_struct, self.tgt_struct, _SCALAR, _STEP_SPEC, _STEP_SPEC, fused_only
+            )
+            out = tf.nest.map_structure(spec_of, call.structured_outputs[0])
         else:
-            self.out_struct = out
+            forward = runner._forward.get_concrete_function(
+                in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC, True
+            )
+            out = tf.nest.map_structure(spec_of, forward.structured_outputs)
+        self.out_struct = out[0] if self.last else out  # last: (outputs, loss, weight)
         self.in_flat = tf.nest.flatten(in_struct)
         self.out_flat = tf.nest.flatten(self.out_struct)
         self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
@@ -109,9 +115,10 @@ class _Stage:
         self.res_slots = self.bw_slots = carried.Slots([])
 
     def OutputGradSpecs(self):
-        """The output-gradient argument of the backward call, as specs."""
+        """The output-gradient argument of the backward call, as specs (with a loss: d loss
+        alone, see CellRunner._FromLoss)."""
         if self.last:
-            return (tf.nest.map_structure(lambda _: None, self.out_struct), _SCALAR, None)
+            return _SCALAR
         return tf.nest.map_structure(lambda s: s if _is_float_spec(s) else None, self.out_struct)
 
 
@@ -195,9 +202,9 @@ class TickLoop:
         per-device tables, a trace of every call the branches make, the initial state, then
         `tf.while_loop` over the ticks; results in `losses`, `outputs` and `sums`."""
         num_m = len(micro_inputs)
-        stages = self._Stages(micro_inputs, micro_targets)
         table = self._Table()
         keys = self._BranchKeys(table)
+        stages = self._Stages(micro_inputs, micro_targets, keys)
         self._TraceGradients(stages, keys)
         state, ctx = self._InitialState(stages, micro_inputs, micro_targets, want_outputs)
         ctx.keys = keys
@@ -221,7 +228,7 @@ class TickLoop:
             )
         self._Collect(final, num_m, want_outputs)
 
-    def _Stages(self, micro_inputs, micro_targets):
+    def _Stages(self, micro_inputs, micro_targets, keys):
         """A _Stage per stage, each taking the previous one's output structure."""
         tgt_struct = (
             None
@@ -231,9 +238,9 @@ class TickLoop:
         stages = []
         in_struct = tf.nest.map_structure(spec_of, micro_inputs[0])
         for s in range(self.sched.num_stages):
-            st = _Stage(
-                s, self.runners[s], in_struct, tgt_struct, _STEP_SPEC, _STEP_SPEC, self.sched
-            )
+            used = {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == s}
+            fused_only = self._Want(_FB, s) if used == {_FB} else None
+            st = _Stage(s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only)
             stages.append(st)
             in_struct = st.out_struct
         return stages
@@ -396,7 +403,7 @@ class TickLoop:
             st.res_slots, st.bw_slots = carried.Slots(res_specs), carried.Slots(bw_specs)
             state['res'][s] = st.res_slots.New(num_m, st.device)
             state['bw'][s] = st.bw_slots.New(num_m, st.device)
-        dense_vars = {d: [] for d in range(K)}  # device -> [(variable, gradient spec)]
+        dense_vars = {d: {} for d in range(K)}  # device -> {variable ref: (variable, spec)}
         sparse_specs = {}  # (stage, variable ref) -> (values spec, indices spec)
         for s, st in enumerate(stages):
             d = sched.device_of(s)
@@ -409,13 +416,13 @@ class TickLoop:
                     state['sparse'][_key(s, v.ref(), sparse_specs)] = [
                         new_list(sp, st.device) for sp in specs
                     ]
-                elif all(v.ref() != u.ref() for u, _ in dense_vars[d]):
-                    dense_vars[d].append((v, spec_of(g)))
+                else:
+                    dense_vars[d].setdefault(v.ref(), (v, spec_of(g)))
         # A device's dense sums: one TensorList per dtype (dense_sums.py), not a loop variable
         # per variable (each loop variable and switch_case output costs ops at every tick).
         sums = {}
         for d in range(K):
-            sums[d] = dense_sums.DenseSums(dense_vars[d])
+            sums[d] = dense_sums.DenseSums(list(dense_vars[d].values()))
             with distribute.on(devices[d]):
                 state['dense'][d] = sums[d].New()
         self._stages, self._dense_sums, self._sparse_specs = stages, sums, sparse_specs
@@ -583,7 +590,7 @@ class TickLoop:
 
         def output_grads():
             if st.last:
-                return (tf.nest.map_structure(lambda _: None, st.out_struct), tf.ones([]), None)
+                return tf.ones([])  # d (weighted loss) = 1
             floats = [sp if _is_float_spec(sp) else None for sp in st.out_flat]
             return tf.nest.pack_sequence_as(st.out_struct, read(state['d'][s][-1], floats))
 

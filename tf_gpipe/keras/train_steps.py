@@ -23,13 +23,7 @@ from tf_gpipe import fprop_context
 from tf_gpipe.gpipe import executor
 from tf_gpipe.keras import layer_sequence, loss_probe, micro_loss
 from tf_gpipe.runtime import distribute, placement
-
-
-def backing(variable):
-    """The tf.Variable behind a Keras variable (the one the pipeline's tapes see)."""
-    return (
-        getattr(variable, 'value', variable) if not isinstance(variable, tf.Variable) else variable
-    )
+from tf_gpipe.runtime.variables import backing
 
 
 class TrainSteps:

@@ -14,16 +14,15 @@ import contextlib
 
 import tensorflow as tf
 
+from tf_gpipe.runtime.variables import backing
+
 # The optimizer methods `colocated` wraps, each calling the instance's own.
 _HOOKED = ('update_step', '_apply_weight_decay', '_clip_gradients', '_all_reduce_sum_gradients')
 
 
 def device_of(variable):
     """The device of a tf.Variable, a keras.Variable (its .value) or a tensor; '' if none."""
-    value = getattr(variable, 'value', None)
-    if value is not None and not callable(value):  # keras.Variable -> tf.Variable
-        variable = value
-    return getattr(variable, 'device', '') or ''
+    return getattr(backing(variable), 'device', '') or ''
 
 
 def _chain(optimizer):

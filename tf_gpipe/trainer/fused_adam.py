@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tf_gpipe.runtime import placement
+from tf_gpipe.runtime.variables import backing
 from tf_gpipe.trainer import checkpoints
 
 
@@ -36,13 +37,6 @@ def applies(optimizer):
         and optimizer.global_clipnorm is None
         and optimizer.loss_scale_factor is None
     )
-
-
-def _handle(variable):
-    """The resource handle of a tf.Variable or of the tf.Variable behind a Keras one."""
-    if not isinstance(variable, tf.Variable):
-        variable = variable.value  # KerasVariable.value: its tf.Variable (docs/private-apis.md)
-    return variable.handle
 
 
 class FusedAdam:
@@ -81,9 +75,9 @@ class FusedAdam:
                         epsilon=tf.cast(opt.epsilon, dtype),
                     )
                 tf.raw_ops.ResourceApplyAdam(
-                    var=_handle(var),
-                    m=_handle(m),
-                    v=_handle(v),
+                    var=backing(var).handle,
+                    m=backing(m).handle,
+                    v=backing(v).handle,
                     grad=tf.cast(g, dtype),
                     **per_device[(device, dtype)],
                 )
