@@ -342,3 +342,42 @@ def test_startup_runs_of_one_grid_render_as_one_table_with_the_goals(tmp_path):
     assert '0 in every row (L = 8, 64)' in goals
     assert "start-up at M=32 0.25 times the unrolled executor's" in goals  # 2g / 8g
     assert text.count('| L | K | schedule |') == 1
+
+
+def test_startup_repeats_take_medians_of_rounds_and_show_the_spread():
+    """tools/startup.py --repeats: each start-up is the median of its fresh processes with
+    their range; growth, the ratio to plain and the growth net of the first call's step are
+    medians of each round's own ratios (rounds run M after M, so one busy moment slows a
+    round's M alike)."""
+    import results_table
+    import startup
+
+    rows = []
+    # Three rounds; round 1 is busy: everything in it 1.5x slower.
+    for run, busy in ((0, 1.0), (1, 1.5), (2, 1.0)):
+        for m, pipe, steady in ((4, 8.0 + run, 0.1), (32, 9.0 + run, 0.5)):
+            common = dict(layers=16, num_stages=4, num_micro_batches=m, run=run, outer_nodes=1)
+            rows.append(
+                dict(common, kind='plain', schedule='', startup_s=3.0 * busy, steady_s=0.05)
+            )
+            rows.append(
+                dict(
+                    common,
+                    kind='pipeline',
+                    schedule='1f1b',
+                    startup_s=pipe * busy,
+                    steady_s=steady * busy,
+                    steady_all=[steady],
+                )
+            )
+    (s,) = startup.summarise(rows)
+    assert s['runs'] == 3 and s['nodes_per_micro_batch'] == 0
+    assert s['startup_s'] == {'4': 10.0, '32': 11.0}  # medians of 8, 13.5, 10 and 9, 15, 11
+    assert s['startup_range'] == {'4': [8.0, 13.5], '32': [9.0, 15.0]}
+    assert s['growth'] == pytest.approx(10 / 9)  # per round 9 / 8, 15 / 13.5, 11 / 10
+    net = sorted([(9 - 0.5) / (8 - 0.1), (15 - 0.75) / (13.5 - 0.15), (11 - 0.5) / (10 - 0.1)])
+    assert s['growth_net_of_step'] == pytest.approx(net[1])
+    assert s['vs_plain'] == pytest.approx(10 / 3)  # per round 3.0, 3.33, 3.67
+    line = next(x for x in results_table.startup_table(
+        dict(engine='e', model='t', recompute='r', summary=[s])) if x.startswith('| 16 |'))  # fmt: skip
+    assert line.startswith('| 16 | 4 | 1f1b | 10.0 (8.0–13.5) | 11.0 (9.0–15.0) | 1.11 | 1.07 |')

@@ -321,6 +321,14 @@ def startup_table(result):
     engine = f'{result["engine"]}: ' if result.get('engine') else ''
     compared = any('unrolled_steady_ms' in s for s in summary)
     ratio = any('steady_ratio' in s for s in summary)
+    net = any('growth_net_of_step' in s for s in summary)
+    runs = max(s.get('runs', 1) for s in summary)
+    how = (
+        ', each (K, L, M) in a fresh process, one run:'
+        if runs == 1
+        else f', each (K, L, M) in {runs} fresh processes, round after round over M: the '
+        "median (range) of each start-up, and the median of each round's ratios:"
+    )
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
         'call of '
@@ -328,28 +336,42 @@ def startup_table(result):
             'eval': "eval's forward (FProp in eval mode)",
             'fprop': "a training step by gpipe's FProp under a tape (loss and gradients)",
         }.get(result.get('measured'), 'a training step (loss and gradients)')
-        + ', each (K, L, M) in a fresh process, one run:',
+        + how,
         '',
         '| L | K | schedule | '
         + ' | '.join(f'start-up s, M={m}' for m in ms)
-        + ' | M=max / M=min | vs plain at M=max | plain s | nodes per extra micro-batch '
+        + ' | M=max / M=min |'
+        + (' the same, less one steady step each |' if net else '')
+        + ' vs plain at M=max | plain s | nodes per extra micro-batch '
         '| steady ms (plain) |'
         + (' unrolled at M=max: start-up s | steady ms |' if compared else '')
         + (' steady loop / unrolled, per round: median (range) |' if ratio else ''),
         '|---|---|---|'
         + '---|' * len(ms)
-        + '---|---|---|---|---|'
+        + '---|' * (1 + net)
+        + '---|---|---|---|'
         + '---|---|' * compared
         + '---|' * ratio,
     ]
+
+    def cell(s, m):
+        if str(m) not in s['startup_s']:
+            return ''
+        value = f'{s["startup_s"][str(m)]:.1f}'
+        if 'startup_range' in s:
+            low, high = s['startup_range'][str(m)]
+            value += f' ({low:.1f}–{high:.1f})'
+        return value
+
     for s in summary:
-        cells = ' | '.join(
-            f'{s["startup_s"][str(m)]:.1f}' if str(m) in s['startup_s'] else '' for m in ms
-        )
+        cells = ' | '.join(cell(s, m) for m in ms)
         per_mb = '' if s['nodes_per_micro_batch'] is None else f'{s["nodes_per_micro_batch"]:.0f}'
+        growth = f'{s["growth"]:.2f} |'
+        if net:
+            growth += f' {s["growth_net_of_step"]:.2f} |' if 'growth_net_of_step' in s else ' |'
         lines.append(
-            f'| {s["layers"]} | {s["num_stages"]} | {s["schedule"]} | {cells} | '
-            f'{s["growth"]:.2f} | {s["vs_plain"]:.2f} | {s["plain_startup_s"]:.1f} | {per_mb} | '
+            f'| {s["layers"]} | {s["num_stages"]} | {s["schedule"]} | {cells} | {growth} '
+            f'{s["vs_plain"]:.2f} | {s["plain_startup_s"]:.1f} | {per_mb} | '
             f'{s["steady_ms"]:.0f} ({s["plain_steady_ms"]:.0f}) |'
             + (
                 f' {s["unrolled_startup_s"]:.1f} | {s["unrolled_steady_ms"]:.0f} |'

@@ -21,6 +21,7 @@ largest M, and the nodes each extra micro-batch adds.
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -75,6 +76,13 @@ LABEL = flags.DEFINE_string(
     '',
     "Put before the engine's name in the result: what else the run measured (e.g. the commit "
     'of the library, when this tool is run from an older checkout).',
+)
+REPEATS = flags.DEFINE_integer(
+    'repeats',
+    1,
+    'Fresh processes per (K, L, M), run round after round over M (a busy moment then slows '
+    "every M alike): the table shows each start-up's median and range, each ratio the median "
+    "of the rounds' ratios.",
 )
 CHILD = flags.DEFINE_string('child', '', 'Internal: "K,L,M" measured in this process.')
 
@@ -214,60 +222,88 @@ def _measure_all(k, num_layers, m, devices):
 
 
 def summarise(rows):
-    """Per (L, K, schedule): start-up per M, growth, ratio to plain, nodes per micro-batch."""
+    """Per (L, K, schedule): start-up per M, growth, ratio to plain, nodes per micro-batch;
+    with several runs (`--repeats`), medians over the runs (ratios within each run first)."""
     out = []
     keys = sorted({(r['layers'], r['num_stages'], r['schedule']) for r in rows if r['schedule']})
+    runs = sorted({r.get('run', 0) for r in rows})
     for num_layers, k, schedule in keys:
-        mine = {
-            r['num_micro_batches']: r
-            for r in rows
-            if r['kind'] == 'pipeline'
-            and (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
-        }
-        unrolled = {
-            r['num_micro_batches']: r
-            for r in rows
-            if r['kind'] == 'unrolled'
-            and (r['layers'], r['num_stages'], r['schedule']) == (num_layers, k, schedule)
-        }
-        plain = {
-            r['num_micro_batches']: r
-            for r in rows
-            if r['kind'] == 'plain' and (r['layers'], r['num_stages']) == (num_layers, k)
-        }
-        ms = sorted(mine)
+        where = (num_layers, k, schedule)
+        mine = [_by_m(rows, 'pipeline', run, *where) for run in runs]
+        plain = [_by_m(rows, 'plain', run, num_layers, k, None) for run in runs]
+        unrolled = [_by_m(rows, 'unrolled', run, *where) for run in runs]
+        ms = sorted(mine[0])
         lo, hi = ms[0], ms[-1]
         per_mb = (
-            (mine[hi]['outer_nodes'] - mine[lo]['outer_nodes']) / (hi - lo) if hi > lo else None
+            (mine[0][hi]['outer_nodes'] - mine[0][lo]['outer_nodes']) / (hi - lo)
+            if hi > lo
+            else None
         )
+
+        def net(r):  # the first call runs one step: start-up without it
+            return r['startup_s'] - r['steady_s']
+
         out.append(
             dict(
                 layers=num_layers,
                 num_stages=k,
                 schedule=schedule,
-                startup_s={str(m): mine[m]['startup_s'] for m in ms},
-                growth=mine[hi]['startup_s'] / mine[lo]['startup_s'],
-                vs_plain=mine[hi]['startup_s'] / plain[hi]['startup_s'],
-                plain_startup_s=plain[hi]['startup_s'],
+                startup_s={str(m): _median([x[m]['startup_s'] for x in mine]) for m in ms},
+                growth=_median([x[hi]['startup_s'] / x[lo]['startup_s'] for x in mine]),
+                growth_net_of_step=_median([net(x[hi]) / net(x[lo]) for x in mine]),
+                vs_plain=_median(
+                    [x[hi]['startup_s'] / p[hi]['startup_s'] for x, p in zip(mine, plain)]
+                ),
+                plain_startup_s=_median([p[hi]['startup_s'] for p in plain]),
                 nodes_per_micro_batch=per_mb,
-                steady_ms=1e3 * mine[hi]['steady_s'],
-                plain_steady_ms=1e3 * plain[hi]['steady_s'],
+                steady_ms=1e3 * _median([x[hi]['steady_s'] for x in mine]),
+                plain_steady_ms=1e3 * _median([p[hi]['steady_s'] for p in plain]),
                 smallest_m=lo,
                 largest_m=hi,
             )
         )
-        if hi in unrolled:  # the unrolled executor, same process and M
+        if len(runs) > 1:
+            out[-1].update(
+                runs=len(runs),
+                startup_range={
+                    str(m): [
+                        min(x[m]['startup_s'] for x in mine),
+                        max(x[m]['startup_s'] for x in mine),
+                    ]
+                    for m in ms
+                },
+                steady_ms_smallest_m=1e3 * _median([x[lo]['steady_s'] for x in mine]),
+            )
+        if hi in unrolled[0]:  # the unrolled executor, same process and M
             # Per round, the loop's step over the unrolled one's (timed back to back).
             ratios = sorted(
-                a / b for a, b in zip(mine[hi]['steady_all'], unrolled[hi]['steady_all'])
+                a / b
+                for x, u in zip(mine, unrolled)
+                for a, b in zip(x[hi]['steady_all'], u[hi]['steady_all'])
             )
             out[-1].update(
-                unrolled_startup_s=unrolled[hi]['startup_s'],
-                unrolled_steady_ms=1e3 * unrolled[hi]['steady_s'],
+                unrolled_startup_s=_median([u[hi]['startup_s'] for u in unrolled]),
+                unrolled_steady_ms=1e3 * _median([u[hi]['steady_s'] for u in unrolled]),
                 steady_ratio=ratios[len(ratios) // 2],
                 steady_ratio_range=[ratios[0], ratios[-1]],
             )
     return out
+
+
+def _by_m(rows, kind, run, num_layers, k, schedule):
+    """{M: row} of one kind and run at (L, K), of `schedule` unless None."""
+    return {
+        r['num_micro_batches']: r
+        for r in rows
+        if r['kind'] == kind
+        and r.get('run', 0) == run
+        and (r['layers'], r['num_stages']) == (num_layers, k)
+        and (schedule is None or r['schedule'] == schedule)
+    }
+
+
+def _median(values):
+    return float(statistics.median(values))
 
 
 def main(argv):
@@ -282,7 +318,7 @@ def main(argv):
         for num_layers in LAYERS.value:
             if int(k) > int(num_layers):
                 continue
-            for m in MICRO.value:
+            for run, m in [(r, m) for r in range(REPEATS.value) for m in MICRO.value]:
                 cmd = [
                     sys.executable,
                     os.path.abspath(__file__),
@@ -301,10 +337,12 @@ def main(argv):
                 if done.returncode:
                     sys.exit(f'K={k} L={num_layers} M={m} failed:\n{done.stderr[-3000:]}')
                 got = json.loads(done.stdout.strip().splitlines()[-1])
+                for r in got:
+                    r['run'] = run
                 rows += got
                 for r in got:
                     print(
-                        f'K={k} L={num_layers} M={m} {r["kind"]:8s} {r["schedule"]:16s} '
+                        f'K={k} L={num_layers} M={m} run {run} {r["kind"]:8s} {r["schedule"]:16s} '
                         f'trace {r["trace_s"]:6.2f}s first {r["first_call_s"]:6.2f}s '
                         f'steady {1e3 * r["steady_s"]:7.1f}ms nodes {r["outer_nodes"]} '
                         f'lib {r["library_nodes"]}',
