@@ -91,8 +91,8 @@ startup-grid: $(STAMP)
 
 # Start-up (trace + first call) and steady step beside the plain sequence at other settings:
 # the unrolled executor alone, cells of d=256, K=8 with L=64 against the unrolled executor,
-# FProp under a tape, eval, and stages on TF workers (run on an idle machine: about 30 minutes
-# on 2 cores).
+# K=4 three times round after round over M, FProp under a tape, eval, and stages on TF workers
+# (run on an idle machine: about 40 minutes on 2 cores).
 startup-results: $(STAMP)
 	$(PY) tools/startup.py --notick_loop --num_stages=4 --layers=16 --micro_batches=4,16,32 \
 	  --output=$(RESULTS)/startup_unrolled.json > $(RESULTS)/startup_unrolled.txt
@@ -105,6 +105,9 @@ startup-results: $(STAMP)
 	  > $(RESULTS)/startup_tick_loop_d256_b256.txt
 	$(PY) tools/startup.py --compare_unrolled --num_stages=8 --layers=64 --micro_batches=4,32 \
 	  --schedules=1f1b --output=$(RESULTS)/startup_k8_l64.json > $(RESULTS)/startup_k8_l64.txt
+	$(PY) tools/startup.py --num_stages=4 --layers=16,64 --micro_batches=4,32 --schedules=1f1b \
+	  --repeats=3 --steps=3 --output=$(RESULTS)/startup_repeats_k4.json \
+	  > $(RESULTS)/startup_repeats_k4.txt
 	$(PY) tools/startup.py --measure=fprop --compare_unrolled --num_stages=4 --layers=16 \
 	  --micro_batches=4,16,32 --output=$(RESULTS)/startup_fprop.json > $(RESULTS)/startup_fprop.txt
 	$(PY) tools/startup.py --measure=eval --compare_unrolled --num_stages=4 --layers=16 \
