@@ -215,9 +215,9 @@ def test_results_table_leaves_every_page_whole_when_a_file_is_missing(tmp_path, 
 
 
 def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
-    """tools/startup.py at the smallest scale: every (K, L, M) in its own process, the plain
-    step and the unrolled executor measured there too, the summary's ratios and growth per
-    micro-batch from the rows."""
+    """tools/startup.py at the smallest scale: every (K, L, M) and schedule in its own
+    process, the plain step and the unrolled executor measured there too, the summary's ratios
+    (to the plain step of the same process) and growth per micro-batch from the rows."""
     out = tmp_path / 'startup.json'
     printed = _run(
         [
@@ -243,6 +243,8 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
         ('pipeline', 'zero_bubble', 2),
         ('pipeline', 'zero_bubble', 4),
         ('plain', '', 2),
+        ('plain', '', 2),
+        ('plain', '', 4),
         ('plain', '', 4),
         ('unrolled', '1f1b', 2),
         ('unrolled', '1f1b', 4),
@@ -252,13 +254,24 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     for r in result['rows']:
         assert r['startup_s'] == pytest.approx(r['trace_s'] + r['first_call_s'])
         assert r['outer_nodes'] > 0 and r['steady_s'] > 0
-    rows = {(r['kind'], r['schedule'], r['num_micro_batches']): r for r in result['rows']}
+    # One plain step per schedule's process; each schedule's ratio is to its own.
+    assert sorted(r['beside'] for r in result['rows'] if r['kind'] == 'plain') == [
+        '1f1b',
+        '1f1b',
+        'zero_bubble',
+        'zero_bubble',
+    ]
+    rows = {
+        (r['kind'], r.get('beside', r['schedule']), r['num_micro_batches']): r
+        for r in result['rows']
+    }
     for s in result['summary']:
         two, four = rows['pipeline', s['schedule'], 2], rows['pipeline', s['schedule'], 4]
         # The tick loop: the step's program is the same at M=2 and M=4.
         assert s['nodes_per_micro_batch'] == (four['outer_nodes'] - two['outer_nodes']) / 2 == 0
         assert s['growth'] == pytest.approx(four['startup_s'] / two['startup_s'])
-        assert s['vs_plain'] == pytest.approx(four['startup_s'] / rows['plain', '', 4]['startup_s'])
+        plain = rows['plain', s['schedule'], 4]
+        assert s['vs_plain'] == pytest.approx(four['startup_s'] / plain['startup_s'])
         unrolled = rows['unrolled', s['schedule'], 4]
         assert s['unrolled_startup_s'] == pytest.approx(unrolled['startup_s'])
         assert s['unrolled_steady_ms'] == pytest.approx(1e3 * unrolled['steady_s'])

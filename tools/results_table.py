@@ -323,11 +323,16 @@ def startup_table(result):
     ratio = any('steady_ratio' in s for s in summary)
     net = any('growth_net_of_step' in s for s in summary)
     runs = max(s.get('runs', 1) for s in summary)
+    each = (
+        'each (K, L, M) and schedule in a fresh process, the plain step measured there too'
+        if result.get('per_schedule')
+        else 'each (K, L, M) in a fresh process'
+    )
     how = (
-        ', each (K, L, M) in a fresh process, one run:'
+        f', {each}, one run:'
         if runs == 1
-        else f', each (K, L, M) in {runs} fresh processes, round after round over M: the '
-        "median (range) of each start-up, and the median of each round's ratios:"
+        else f', {each}, {runs} times, round after round over M: the median (range) of each '
+        "start-up, and the median of each round's ratios:"
     )
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '

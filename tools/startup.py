@@ -9,9 +9,10 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
     python tools/startup.py --workers --compare_unrolled --num_stages=2 ...   # TF workers
 
-Each (K, L, M) runs in a fresh process with K logical CPUs (--workers: K TF worker processes
-on 127.0.0.1, one core each): a warm-up op, then the plain
-sequence's tape step (one device), then each schedule's `ComputeGradients` step, all on a
+Each (K, L, M) and schedule runs in a fresh process with K logical CPUs (--workers: K TF
+worker processes on 127.0.0.1, one core each): a warm-up op, then the plain sequence's tape
+step (one device), then the schedule's `ComputeGradients` step (and the unrolled executor's
+with --compare_unrolled), all on a
 Transformer stack (d=--dim, 2 heads, hidden 2d, batch 64 x 16 tokens). Per step: trace seconds
 (`get_concrete_function`), first-call seconds, nodes of the outer graph and of its function
 library, and the steady step (median of --steps calls). Printed: start-up (trace + first call)
@@ -111,6 +112,13 @@ def _measure(step, args):
     return row, lambda: tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
 
 
+def _runs(schedule, k, num_layers, m):
+    """Whether `schedule` runs at (K, L, M): interleaved_1f1b needs 2K cells of a layer at
+    least and M a multiple of K."""
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    return k * v <= num_layers and not (v > 1 and m % k)
+
+
 def _steady_rounds(measured):
     """Times every step once per round, round after round (so that a busy moment slows
     all of them alike): each row's steady_s is its median, steady_all its every time."""
@@ -177,9 +185,9 @@ def _measure_all(k, num_layers, m, devices):
         engines.append((False, 'unrolled'))
     schedules = SCHEDULES.value if MEASURE.value == 'train' else [MEASURE.value]
     for schedule, (loop, kind) in [(s, e) for s in schedules for e in engines]:
+        if not _runs(schedule, k, num_layers, m):
+            continue
         v = 2 if schedule == 'interleaved_1f1b' else 1
-        if k * v > num_layers or (v > 1 and m % k):
-            continue  # needs K*v cells of at least one layer, and M a multiple of K
         pipe = (
             gpipe.PipelinedLayer.Params()
             .Set(
@@ -230,7 +238,7 @@ def summarise(rows):
     for num_layers, k, schedule in keys:
         where = (num_layers, k, schedule)
         mine = [_by_m(rows, 'pipeline', run, *where) for run in runs]
-        plain = [_by_m(rows, 'plain', run, num_layers, k, None) for run in runs]
+        plain = [_by_m(rows, 'plain', run, num_layers, k, None, beside=schedule) for run in runs]
         unrolled = [_by_m(rows, 'unrolled', run, *where) for run in runs]
         ms = sorted(mine[0])
         lo, hi = ms[0], ms[-1]
@@ -290,8 +298,10 @@ def summarise(rows):
     return out
 
 
-def _by_m(rows, kind, run, num_layers, k, schedule):
-    """{M: row} of one kind and run at (L, K), of `schedule` unless None."""
+def _by_m(rows, kind, run, num_layers, k, schedule, beside=None):
+    """{M: row} of one kind and run at (L, K), of `schedule` unless None; plain steps of the
+    process that measured `beside` (files written before each schedule had a process of its
+    own have one plain step per (K, L, M), for every schedule)."""
     return {
         r['num_micro_batches']: r
         for r in rows
@@ -299,6 +309,7 @@ def _by_m(rows, kind, run, num_layers, k, schedule):
         and r.get('run', 0) == run
         and (r['layers'], r['num_stages']) == (num_layers, k)
         and (schedule is None or r['schedule'] == schedule)
+        and r.get('beside') in (None, beside)
     }
 
 
@@ -318,12 +329,22 @@ def main(argv):
         for num_layers in LAYERS.value:
             if int(k) > int(num_layers):
                 continue
-            for run, m in [(r, m) for r in range(REPEATS.value) for m in MICRO.value]:
+            # Each schedule in a process of its own, beside a plain step of its own: in one
+            # process, a schedule measured after others ran slower (their graphs and memory
+            # stay), e.g. 1F1B at K=4, L=64, M=32 after gpipe 50 s against 34 s alone.
+            todo = [
+                (run, m, schedule)
+                for run in range(REPEATS.value)
+                for m in MICRO.value
+                for schedule in SCHEDULES.value
+                if _runs(schedule, int(k), int(num_layers), int(m))
+            ]
+            for run, m, schedule in todo:
                 cmd = [
                     sys.executable,
                     os.path.abspath(__file__),
                     f'--child={k},{num_layers},{m}',
-                    f'--schedules={",".join(SCHEDULES.value)}',
+                    f'--schedules={schedule}',
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
                     f'--compare_unrolled={COMPARE.value}',
@@ -339,6 +360,8 @@ def main(argv):
                 got = json.loads(done.stdout.strip().splitlines()[-1])
                 for r in got:
                     r['run'] = run
+                    if r['kind'] == 'plain':
+                        r['beside'] = schedule  # the plain step of this schedule's process
                 rows += got
                 for r in got:
                     print(
@@ -351,6 +374,7 @@ def main(argv):
     result = dict(
         bench_common.run_metadata(),
         startup=True,
+        per_schedule=True,  # each schedule in a process of its own, beside its plain step
         engine=(f'{LABEL.value}: ' if LABEL.value else '')
         + (
             ('eval loop (eval_loop=True)' if TICK_LOOP.value else 'unrolled (eval_loop=False)')
