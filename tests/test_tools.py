@@ -394,3 +394,31 @@ def test_startup_repeats_take_medians_of_rounds_and_show_the_spread():
     line = next(x for x in results_table.startup_table(
         dict(engine='e', model='t', recompute='r', summary=[s])) if x.startswith('| 16 |'))  # fmt: skip
     assert line.startswith('| 16 | 4 | 1f1b | 10.0 (8.0–13.5) | 11.0 (9.0–15.0) | 1.11 | 1.07 |')
+
+
+def test_startup_measures_eval_once_per_process_whatever_the_schedules(tmp_path):
+    """--measure=eval (or fprop) measures one call per (K, L, M), not one per --schedules
+    entry: one process each, its plain step beside it, and the summary's ratio to that one."""
+    out = tmp_path / 'eval.json'
+    _run(
+        [
+            'tools/startup.py',
+            '--measure=eval',
+            '--num_stages=2',
+            '--layers=2',
+            '--micro_batches=2,4',
+            '--steps=1',
+            '--batch_size=8',
+            f'--output={out}',
+        ],
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    kinds = sorted((r['kind'], r['schedule'], r['num_micro_batches']) for r in result['rows'])
+    assert kinds == [
+        ('pipeline', 'eval', 2),
+        ('pipeline', 'eval', 4),
+        ('plain', '', 2),
+        ('plain', '', 4),
+    ]
+    assert [s['schedule'] for s in result['summary']] == ['eval']

@@ -112,6 +112,12 @@ def _measure(step, args):
     return row, lambda: tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
 
 
+def _schedules():
+    """The rows' schedules: --schedules when training, else the measured call ('eval',
+    'fprop': gpipe's forward or FProp, one per (K, L, M))."""
+    return SCHEDULES.value if MEASURE.value == 'train' else [MEASURE.value]
+
+
 def _runs(schedule, k, num_layers, m):
     """Whether `schedule` runs at (K, L, M): interleaved_1f1b needs 2K cells of a layer at
     least and M a multiple of K."""
@@ -183,8 +189,7 @@ def _measure_all(k, num_layers, m, devices):
     engines = [(TICK_LOOP.value, 'pipeline')]
     if TICK_LOOP.value and COMPARE.value:
         engines.append((False, 'unrolled'))
-    schedules = SCHEDULES.value if MEASURE.value == 'train' else [MEASURE.value]
-    for schedule, (loop, kind) in [(s, e) for s in schedules for e in engines]:
+    for schedule, (loop, kind) in [(s, e) for s in _schedules() for e in engines]:
         if not _runs(schedule, k, num_layers, m):
             continue
         v = 2 if schedule == 'interleaved_1f1b' else 1
@@ -336,7 +341,7 @@ def main(argv):
                 (run, m, schedule)
                 for run in range(REPEATS.value)
                 for m in MICRO.value
-                for schedule in SCHEDULES.value
+                for schedule in _schedules()
                 if _runs(schedule, int(k), int(num_layers), int(m))
             ]
             for run, m, schedule in todo:
