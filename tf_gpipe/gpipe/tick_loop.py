@@ -238,7 +238,7 @@ class TickLoop:
         stages = []
         in_struct = tf.nest.map_structure(spec_of, micro_inputs[0])
         for s in range(self.sched.num_stages):
-            used = {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == s}
+            used = _used_kinds(keys, s)
             fused_only = self._Want(_FB, s) if used == {_FB} else None
             st = _Stage(s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only)
             stages.append(st)
@@ -262,7 +262,7 @@ class TickLoop:
         sched = self.sched
         self._grad_kinds = {}
         for s, st in enumerate(stages):
-            used = {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == s}
+            used = _used_kinds(keys, s)
             kinds = {}
             if used & set(_KEPT.values()):
                 if st.runner._jit:
@@ -746,6 +746,11 @@ class _Context:
         self.dense_sums = dense_sums  # device -> dense_sums.DenseSums
         self.sparse_specs = sparse_specs
         self.want_outputs = want_outputs
+
+
+def _used_kinds(keys, stage):
+    """The action kinds the branches run for `stage` (`keys`: per device, idle first)."""
+    return {key[0] for d_keys in keys for key in d_keys[1:] if key[1] == stage}
 
 
 def _key(stage, ref, sparse_specs):
