@@ -32,7 +32,15 @@ unrolled executor then).
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import carried, dense_sums, executor, schedules, trace, unordered
+from tf_gpipe.gpipe import (
+    carried,
+    dense_sums,
+    executor,
+    packed_handles,
+    schedules,
+    trace,
+    unordered,
+)
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
@@ -211,6 +219,9 @@ class TickLoop:
         ctx.tables, ctx.columns, ctx.where = self._DeviceTables(table, keys, num_m)
         ticks = len(ctx.tables[0])
         devices = ctx.devices
+        # The branches' variable handles cross the loop as one tensor per device
+        # (packed_handles.py): not a loop variable and a case input per variable.
+        ctx.packer = packed_handles.HandlePacker()
         # tf.while_loop returns the body's results through identities it makes itself, with
         # no device: placed by default on the first device, each would cost a send there and
         # back at every tick. The device function puts such an identity beside its input.
@@ -226,6 +237,7 @@ class TickLoop:
                 # Devices drift apart by up to DELAY ticks per hop: that many ticks in flight.
                 parallel_iterations=max(10, 2 * DELAY * self.sched.num_devices),
             )
+        ctx.packer.Release(tf.nest.flatten(final, expand_composites=True))
         self._Collect(final, num_m, want_outputs)
 
     def _Stages(self, micro_inputs, micro_targets, keys):
@@ -446,7 +458,10 @@ class TickLoop:
                 rows[d] = tf.gather(tf.constant(ctx.tables[d], tf.int32), state['clock'][d])
                 m = tf.cast(rows[d][1], tf.int64)
                 # Unordered: no tick waits for every device's action (unordered.py).
-                fns = [unordered.branch(self._Branch(key, d, m, state, ctx)) for key in ctx.keys[d]]
+                fns = [
+                    unordered.branch(self._Branch(key, d, m, state, ctx), ctx.packer)
+                    for key in ctx.keys[d]
+                ]
                 if len(fns) > 1:
                     messages[d] = tf.switch_case(rows[d][0], fns)
                 else:

@@ -19,8 +19,9 @@ TF (automatic control dependencies look at resource inputs of every op).
 import tensorflow as tf
 
 
-def branch(fn):
-    """fn (no arguments; returns a nest of tensors and TensorArrays) as one stateless call."""
+def branch(fn, packer=None):
+    """fn (no arguments; returns a nest of tensors and TensorArrays) as one stateless call;
+    with a `packed_handles.HandlePacker`, its variable handles reach it packed."""
     kept = {}
 
     def flat():
@@ -31,8 +32,9 @@ def branch(fn):
     concrete = tf.function(flat, autograph=False).get_concrete_function()
 
     def call():
+        captured = concrete.captured_inputs
         outputs = tf.raw_ops.PartitionedCall(
-            args=concrete.captured_inputs,
+            args=packer.Args(captured) if packer else captured,
             Tout=[t.dtype for t in concrete.outputs],
             f=concrete,
         )
