@@ -45,7 +45,9 @@ def _loop_inputs(pipe):
     fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss))
     graph = fn.get_concrete_function(X, T).graph.as_graph_def()
     (loop,) = [n for n in graph.node if n.op in ('While', 'StatelessWhile')]
-    body = next(f for f in graph.library.function if f.signature.name == loop.attr['body'].func.name)
+    body = next(
+        f for f in graph.library.function if f.signature.name == loop.attr['body'].func.name
+    )
     cases = [n for n in body.node_def if n.op in ('Case', 'StatelessCase')]
     return len(loop.input), sorted(len(n.input) for n in cases)
 
