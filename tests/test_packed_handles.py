@@ -1,20 +1,21 @@
-"""The tick loop's variable handles cross it packed (packed_handles.py), and TF still orders
+"""The loops' variable handles cross them packed (packed_handles.py), and TF still orders
 the step's other uses of those variables around the loop.
 
-Pinned: the loop's and its cases' inputs do not grow with the layers per cell (a handle per
-variable did), a write of a weight after `ComputeGradients` in the same function waits for the
+Pinned: the inputs of the loops (training, eval's forward, FProp's two) and of their
+branches do not grow with the layers per cell (a handle per variable did), a write of a weight after `ComputeGradients` in the same function waits for the
 loop, one before it is waited for (both read off the traced graph, and by value), and the
 packer leaves alone what it cannot pack.
 """
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
-from tf_gpipe import gpipe, layers
+from tf_gpipe import fprop_context, gpipe, layers
 from tf_gpipe.gpipe import packed_handles
 
 
-def _pipe(num_layers, tick_loop=True):
+def _pipe(num_layers, schedule='1f1b', tick_loop=True):
     fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
     return (
         gpipe.PipelinedLayer.Params()
@@ -25,8 +26,10 @@ def _pipe(num_layers, tick_loop=True):
             num_partitions=2,
             partition_by='uniform',
             num_micro_batches=2,
-            schedule='1f1b',
+            schedule=schedule,
+            recompute='always',
             tick_loop=tick_loop,
+            eval_loop=tick_loop,
         )
         .Instantiate()
     )
@@ -40,22 +43,48 @@ X = tf.reshape(tf.range(32, dtype=tf.float32) / 32.0, [8, 4])
 T = tf.ones([8, 4])
 
 
-def _loop_inputs(pipe):
-    """(inputs of the loop's While op, [inputs of each Case in its body])."""
-    fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss))
-    graph = fn.get_concrete_function(X, T).graph.as_graph_def()
-    (loop,) = [n for n in graph.node if n.op in ('While', 'StatelessWhile')]
-    body = next(
-        f for f in graph.library.function if f.signature.name == loop.attr['body'].func.name
-    )
-    cases = [n for n in body.node_def if n.op in ('Case', 'StatelessCase')]
-    return len(loop.input), sorted(len(n.input) for n in cases)
+def _call(pipe, what):
+    """The step `what` runs: a training step ('train'), eval's forward ('eval'), or FProp
+    under a tape ('fprop': a forward and a backward loop)."""
+
+    def train(x, t):
+        return pipe.ComputeGradients(x, t, _loss)
+
+    def evaluate(x, t):
+        with fprop_context.eval_mode():
+            return pipe.FProp(x)
+
+    def fprop(x, t):
+        with tf.GradientTape() as tape:
+            loss = _loss(pipe.FProp(x), t)
+        return loss, tape.gradient(loss, pipe.trainable_variables)
+
+    return dict(train=train, eval=evaluate, fprop=fprop)[what]
 
 
-def test_the_loop_carries_as_many_tensors_whatever_the_layers_per_cell():
-    few, many = _loop_inputs(_pipe(2)), _loop_inputs(_pipe(6))
+def _loop_inputs(pipe, what):
+    """Per While op of the traced step (in any function): (its inputs, [inputs of each Case
+    or If in its body])."""
+    graph = tf.function(_call(pipe, what)).get_concrete_function(X, T).graph.as_graph_def()
+    functions = {f.signature.name: f for f in graph.library.function}
+    nodes = list(graph.node) + [n for f in functions.values() for n in f.node_def]
+    found = []
+    for loop in sorted(
+        (n for n in nodes if 'While' in n.op), key=lambda n: n.attr['body'].func.name
+    ):
+        body = functions[loop.attr['body'].func.name]
+        branches = [n for n in body.node_def if n.op.endswith(('Case', 'If'))]
+        found.append((len(loop.input), sorted(len(n.input) for n in branches)))
+    return found
+
+
+@pytest.mark.parametrize('what', ['train', 'eval', 'fprop'])
+def test_the_loops_carry_as_many_tensors_whatever_the_layers_per_cell(what):
+    schedule = 'gpipe' if what == 'fprop' else '1f1b'  # FProp under a tape: gpipe only
+    few, many = (_loop_inputs(_pipe(n, schedule), what) for n in (2, 6))
     assert few == many, (few, many)
-    assert few[1], 'no switch_case found in the loop body'
+    assert len(few) == (2 if what == 'fprop' else 1), few
+    assert all(branches for _, branches in few), 'no branch found in a loop body'
 
 
 def _depends(graph, later, earlier):

@@ -166,7 +166,11 @@ class BackwardLoop(forward_loop.Wave):
                             list(state['d_in']),
                         )
 
-                    result = tf.cond(active, unordered.branch(run), unordered.branch(idle))
+                    result = tf.cond(
+                        active,
+                        unordered.branch(run, self.packer),
+                        unordered.branch(idle, self.packer),
+                    )
                     done.append(result)
                     sent, sums_s, kept, stash, d_in = result
                     if s > 0:

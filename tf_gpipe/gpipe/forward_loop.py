@@ -14,7 +14,7 @@ kept). `unsupported` names what the loop does not run (the caller runs the unrol
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import trace, unordered
+from tf_gpipe.gpipe import packed_handles, trace, unordered
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.gpipe.tick_loop import beside_input, run_on, same_specs, spec_of
 from tf_gpipe.runtime import distribute
@@ -173,6 +173,9 @@ class Wave:
         on the first device), so no device's action holds up another's next tick."""
         state = dict(state, tick=run_on(self.clock_devices[0], lambda: tf.constant(0)))
         invariants = dict(invariants, tick=tf.TensorShape([]))
+        # The branches' variable handles cross the loop as one tensor per device
+        # (packed_handles.py); the body's branches take them from `self.packer`.
+        self.packer = packed_handles.HandlePacker()
 
         def counted(state):
             (new,) = body(state)
@@ -188,6 +191,7 @@ class Wave:
                 maximum_iterations=ticks,
                 parallel_iterations=max(10, 2 * len(self.runners)),
             )
+        self.packer.Release(tf.nest.flatten(final, expand_composites=True))
         return final
 
 
@@ -279,7 +283,11 @@ class ForwardLoop(Wave):
                             return [empty(sp) for sp in present(out_specs[s])], state['stash'][s]
                         return list(state['out']), state['stash'][s]
 
-                    result, kept = tf.cond(active, unordered.branch(run), unordered.branch(idle))
+                    result, kept = tf.cond(
+                        active,
+                        unordered.branch(run, self.packer),
+                        unordered.branch(idle, self.packer),
+                    )
                     done.append((result, kept))
                     new['stash'][s] = list(kept)
                     if s < S - 1:
