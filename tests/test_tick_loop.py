@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tests import placement_testing
 from tf_gpipe import gpipe, layers
-from tf_gpipe.gpipe import recompute, schedules, tick_loop
+from tf_gpipe.gpipe import schedules, tick_loop
 
 K = 2
 SCHEDULES = ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble']
@@ -225,13 +225,10 @@ def test_except_last_recomputes_what_would_wait_across_ticks():
 def test_a_cell_is_traced_only_for_the_calls_its_branches_make(
     schedule, policy, last_traces, monkeypatch
 ):
-    """Where a cell cannot share one trace among its calls (state in its forward, made so here;
-    test_shared_trace.py has the shared case): 1F1B's last cell under 'except_last' runs only
-    fused forward-and-backward calls, and its outputs' specs come from that trace, with no
-    forward traced for nothing (a cell's trace is most of the loop's). Where the cell also runs
-    forwards ('always'; gpipe's recomputed micro-batches: forward, recompute, fused), each is
-    traced once."""
-    monkeypatch.setattr(recompute.CellRunner, '_MayShareTrace', lambda self: False)
+    """1F1B's last cell under 'except_last' runs only fused forward-and-backward calls: its
+    outputs' specs come from that trace, with no forward traced for nothing (a cell's trace
+    is most of the loop's). Where the cell also runs forwards ('always'; gpipe's recomputed
+    micro-batches: forward, recompute, fused), each is traced once."""
     calls = []
     fprop = layers.FCLayer.FProp
     monkeypatch.setattr(

@@ -40,10 +40,13 @@ class BackwardLoop(forward_loop.Wave):
         # weight gradients it returns into dense (summed in the loop) and sparse (kept per m).
         dense, sparse = [], []  # per cell: [(variable, spec)] / [(variable, values, indices)]
         for s, runner in enumerate(runners):
-            traced = runner.GradientsTraced(in_specs[s], None, grad_specs[s], step_spec, wants[s])
+            fn = runner._backward.get_concrete_function(
+                in_specs[s], None, grad_specs[s], step_spec, step_spec, wants[s]
+            )
+            d_vars = fn.structured_outputs[-1]
             dense.append([])
             sparse.append([])
-            for v, g in traced:
+            for v, g in zip(runner.read_variables, d_vars):
                 if isinstance(g, tf.IndexedSlices):
                     specs = (spec_of(g.values), spec_of(g.indices))
                     if not all(sp.shape.is_fully_defined() for sp in specs):

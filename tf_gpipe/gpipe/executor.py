@@ -183,10 +183,8 @@ class Executor:
             elif (s, m) in self.kept_set:
                 y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
             else:
-                mb = self._Mb(m)
-                runner.Trace(x, targets, self.step, mb)  # with tapes recording
                 with stop_recording():
-                    y = runner.Forward(x, targets, self.step, mb)
+                    y = runner.Forward(x, targets, self.step, self._Mb(m))
             trace.end(t0, FORWARD, s, m, y)
         self._inputs[(s, m)] = x
         self._Done(s, y)

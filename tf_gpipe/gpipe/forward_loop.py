@@ -209,8 +209,8 @@ class ForwardLoop(Wave):
         for runner in self.runners:
             self.in_specs.append(spec)
             # The same signature as the calls in the loop body: traced once, here.
-            out = runner.OutputSpecs(spec, None, step_spec, training)
-            spec = tf.nest.map_structure(spec_of, out)
+            fn = runner._forward.get_concrete_function(spec, None, step_spec, step_spec, training)
+            spec = tf.nest.map_structure(spec_of, fn.structured_outputs)
             self.out_specs.append(spec)
         last_flat = present(self.out_specs[-1])
         if any(sp.shape.rank is None or sp.shape.rank <= bd for sp in last_flat):

@@ -12,13 +12,6 @@ cell's device:
   keep its activations alive past it. This is what bounds the peak memory, with Grappler left
   on for the rest of the user's program.
 
-Both calls, and the fused forward-and-backward of a micro-batch whose backward follows its
-forward, are calls of one traced function where the cell allows (`_Trained`: the forward, then
-every gradient): each call site drops the outputs it does not use, and Grappler gives it a copy
-of the function without them and the ops only they need. The forward call is the forward
-alone, and the cell's layers are traced once per step instead of once per kind of call
-(docs/engine.md, "One trace per cell").
-
 A micro-batch whose activations are kept is the same forward call under a tape of its own:
 TF rewrites that call to also return what its backward needs, and the backward is one call of
 a function TF derives once per cell. Zero-bubble's split of a kept forward is three calls cut
@@ -36,7 +29,7 @@ function returns (outputs, weighted loss, weight) and its backward starts from d
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import grad_lists, split_functions, weight_gradients
+from tf_gpipe.gpipe import split_functions, weight_gradients
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -103,15 +96,12 @@ class CellRunner:
         self.head = head  # LossHead on the last cell of a ComputeGradients pipeline
         self._read = []  # variables the forward reads, append-only (see _NoteRead)
         self._split = {}  # input signature -> split_functions.SplitFunctions or None
-        self._stateless = None  # see `stateless`
         self._jit = bool(jit_compile)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
         self._forward = tf.function(self._Forward, **options)
         self._backward = tf.function(self._Backward, **options)
         self._forward_backward = tf.function(self._ForwardBackward, **options)
-        self._trained = tf.function(self._Trained, **options)
-        self._one_trace = {}  # the training trace's graph -> whether F, B and FB may share it
 
     def WithHead(self, head):
         """A runner of the same cell whose function ends with the loss `head`."""
@@ -181,123 +171,6 @@ class CellRunner:
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
             return (outputs,) + grads
-
-    def _Trained(self, inputs, targets, output_grads, step, micro_batch):
-        """The cell's one training trace: (outputs, d_float_inputs, d_variables), the forward
-        the real one (as `_ForwardBackward`'s). F, B and FB are calls of it (`_OneTrace`):
-        Grappler's function optimizer gives each call site a copy without the outputs it does
-        not use and the ops only those need, so F runs the forward alone and B the recompute
-        and the gradients, each cell's layers traced once instead of once per kind of call.
-        Without a loss head the output gradients arrive as grad_lists (their specs are not
-        known before this trace)."""
-        with distribute.on(self.device), self._Scope(step, micro_batch):
-            graph = tf.compat.v1.get_default_graph()
-            recording = _TapesRecord()
-            tape, sources, outputs = self._RunTaped(inputs, targets)
-            if not recording:  # traced under a paused tape: its gradients would be zeros
-                self._one_trace[graph] = False
-                return (outputs, [], [])
-            if self.head is None:
-                shared = grad_lists.supported(outputs)
-                output_grads = grad_lists.unpack(outputs, output_grads) if shared else None
-            else:
-                shared = True
-            # B repeats the forward: a write (batch-norm sums) would then happen twice.
-            shared = shared and not any(
-                op.type in split_functions.WRITE_OPS for op in graph.get_operations()
-            )
-            self._one_trace[graph] = shared
-            if not shared:
-                return (outputs, [], [])
-            output_grads = self._FromLoss(outputs, output_grads)
-            variables = self._NoteRead(tape.watched_variables())
-            grads = self._Gradients(tape, sources, outputs, output_grads, variables, 'all')
-            return (outputs,) + grads
-
-    def Trace(self, inputs, targets, step, micro_batch):
-        """Traces the call `Forward` makes for these inputs, if it is the training trace: call
-        it where tapes record (a `Forward` under `executor.stop_recording` would trace a
-        backward from a tape that saw nothing; the trace checks that, and then is not
-        shared)."""
-        self._OneTrace(inputs, targets, step, micro_batch)
-
-    def _MayShareTrace(self):
-        """Whether F, B and FB may be calls of one trace here: in a graph (eager runs every
-        output), not under XLA (a compiled call computes every output), with Grappler's
-        function optimizer on (it drops the unused outputs), and no layer whose forward
-        writes state (the trace checks that too)."""
-        if self._jit or tf.executing_eagerly():
-            return False
-        options = tf.config.optimizer.get_experimental_options()
-        if options.get('disable_meta_optimizer') or options.get('function_optimization') is False:
-            return False
-        return self.stateless
-
-    @property
-    def stateless(self):
-        """No layer of the cell writes state in its forward (statistics, seeds, counters)."""
-        if self._stateless is None:
-            self._stateless = not any(
-                layer.ReplayedState()
-                or layer.ReplicaSums()
-                or getattr(layer, 'RECOMPUTE_REPEATS_STATE', False)
-                for layer in self.cell.AllLayers()
-            )
-        return self._stateless
-
-    def _OneTrace(self, inputs, targets, step, micro_batch):
-        """The training trace for these inputs (tensors or specs) when F, B and FB may be
-        calls of it, else None."""
-        if not self._MayShareTrace():
-            return None
-        grads = _LOSS_GRAD if self.head is not None else grad_lists.SPECS
-        concrete = self._trained.get_concrete_function(
-            inputs, targets, grads, _spec(step), _spec(micro_batch)
-        )
-        return concrete if self._one_trace.get(concrete.graph) else None
-
-    def _OutputGrads(self, concrete, output_grads):
-        """`output_grads` as the training trace takes them, or None when it cannot."""
-        if self.head is not None:
-            output_grads = _LossGradOnly(output_grads)
-            return None if output_grads is None else tf.cast(output_grads, tf.float32)
-        with distribute.on(self.device):
-            return grad_lists.pack(concrete.structured_outputs[0], output_grads, self.device)
-
-    def OutputSpecs(self, inputs, targets, step_spec, training=True, fused_want=None):
-        """What `Forward` returns for these input specs, as traced tensors (traced once). With
-        `fused_want`, from the trace of the `ForwardBackward` call (want `fused_want`) where
-        that is not the training trace: a cell only such calls run."""
-        if training is True:
-            concrete = self._OneTrace(inputs, targets, step_spec, step_spec)
-            if concrete is not None:
-                return concrete.structured_outputs[0]
-        if fused_want:
-            call = self._forward_backward.get_concrete_function(
-                inputs, targets, _LOSS_GRAD, step_spec, step_spec, fused_want
-            )
-            return call.structured_outputs[0]
-        forward = self._forward.get_concrete_function(
-            inputs, targets, step_spec, step_spec, training
-        )
-        return forward.structured_outputs
-
-    def GradientsTraced(self, inputs, targets, output_grads, step_spec, want, fused=False):
-        """[(variable, its gradient in the trace)] of the `Backward` call (`ForwardBackward`
-        with fused) for these specs, tracing it if need be."""
-        concrete = self._OneTrace(inputs, targets, step_spec, step_spec)
-        if concrete is not None and self._OutputGradsSpecOk(output_grads):
-            d_v = [] if want == 'inputs' else concrete.structured_outputs[-1]
-        else:
-            fn = self._forward_backward if fused else self._backward
-            concrete = fn.get_concrete_function(
-                inputs, targets, output_grads, step_spec, step_spec, want
-            )
-            d_v = concrete.structured_outputs[-1]
-        return list(zip(self.read_variables, d_v))
-
-    def _OutputGradsSpecOk(self, output_grads):
-        return self.head is None or _LossGradOnly(output_grads) is not None
 
     def _FromLoss(self, outputs, output_grads):
         """With a loss head, `output_grads` may be the weighted loss's gradient alone (the
@@ -379,12 +252,6 @@ class CellRunner:
 
     def Forward(self, inputs, targets, step, micro_batch, training=True):
         """The cell's outputs for one micro-batch; no activations are kept."""
-        if training is True and self._OneTrace(inputs, targets, step, micro_batch) is not None:
-            with distribute.on(self.device):
-                none = (
-                    opaque(tf.zeros([])) if self.head is not None else grad_lists.empty(self.device)
-                )
-            return self._trained(inputs, targets, none, step, micro_batch)[0]
         return self._forward(inputs, targets, step, micro_batch, training)
 
     def ForwardKeep(self, inputs, targets, step, micro_batch):
@@ -479,9 +346,6 @@ class CellRunner:
     def ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(outputs, d_float_inputs, [(variable, d_variable)]): forward and backward of a
         micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's)."""
-        shared = self._CallTrained(inputs, targets, output_grads, step, micro_batch, want)
-        if shared is not None:
-            return shared
         out, d_x, d_v = self._forward_backward(
             inputs, targets, output_grads, step, micro_batch, want
         )
@@ -489,47 +353,6 @@ class CellRunner:
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
-        shared = self._CallTrained(inputs, targets, output_grads, step, micro_batch, want)
-        if shared is not None:
-            return shared[1:]
         d_x, d_v = self._backward(inputs, targets, output_grads, step, micro_batch, want)
         # A retrace may have found more variables; an older trace returns a prefix of the list.
         return d_x, list(zip(self._read, d_v))
-
-    def _CallTrained(self, inputs, targets, output_grads, step, micro_batch, want):
-        """(outputs, d_float_inputs, [(variable, d_variable)]) by a call of the training trace,
-        what `want` excludes left empty (its call site drops those outputs), or None."""
-        concrete = self._OneTrace(inputs, targets, step, micro_batch)
-        grads = None if concrete is None else self._OutputGrads(concrete, output_grads)
-        if grads is None:
-            return None
-        out, d_x, d_v = self._trained(inputs, targets, grads, step, micro_batch)
-        d_x = [] if want == 'variables' else d_x
-        d_v = [] if want == 'inputs' else d_v
-        return out, d_x, list(zip(self._read, d_v))
-
-
-_LOSS_GRAD = tf.TensorSpec([], tf.float32)  # a loss head's output gradient: d loss
-
-
-def _LossGradOnly(output_grads):
-    """A loss head's output gradient as d loss alone, or None when the outputs have some."""
-    if not isinstance(output_grads, tuple):
-        return output_grads
-    if len(output_grads) == 3 and output_grads[2] is None:
-        if all(g is None for g in tf.nest.flatten(output_grads[0])):
-            return output_grads[1]
-    return None
-
-
-def _TapesRecord():
-    """Whether a tape made here records (not under a paused tape): a probe's gradient."""
-    probe = tf.zeros([])
-    with tf.GradientTape() as tape:
-        tape.watch(probe)
-        y = probe * 2.0
-    return tape.gradient(y, probe) is not None
-
-
-def _spec(x):
-    return tf.TensorSpec(x.shape, x.dtype) if isinstance(x, tf.Tensor) else x

@@ -103,11 +103,18 @@ class _Stage:
         self.in_struct = in_struct  # structure of TensorSpecs (None leaves allowed)
         self.tgt_struct = tgt_struct if self.last else None
         # The loop runs ComputeGradients: its last cell ends with the loss head.
-        # Only fused calls run 1F1B's last cell (every micro-batch kept): its outputs' specs
-        # then come from that call's trace, not from a forward's that nothing calls.
-        fused = fused_only if self.last else None
-        out = runner.OutputSpecs(in_struct, self.tgt_struct, _STEP_SPEC, fused_want=fused)
-        out = tf.nest.map_structure(spec_of, out)
+        if self.last and fused_only:
+            # Only fused calls run this cell (1F1B's last, every micro-batch kept): its
+            # outputs' specs come from that trace, not from a forward's that nothing calls.
+            call = runner._forward_backward.get_concrete_function(
+                in_struct, self.tgt_struct, _SCALAR, _STEP_SPEC, _STEP_SPEC, fused_only
+            )
+            out = tf.nest.map_structure(spec_of, call.structured_outputs[0])
+        else:
+            forward = runner._forward.get_concrete_function(
+                in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC, True
+            )
+            out = tf.nest.map_structure(spec_of, forward.structured_outputs)
         self.out_struct = out[0] if self.last else out  # last: (outputs, loss, weight)
         self.in_flat = tf.nest.flatten(in_struct)
         self.out_flat = tf.nest.flatten(self.out_struct)
@@ -283,15 +290,11 @@ class TickLoop:
                 want = self._Want(kind, s)
                 if want is None:
                     continue
-                traced = st.runner.GradientsTraced(
-                    st.in_struct,
-                    st.tgt_struct,
-                    st.OutputGradSpecs(),
-                    _STEP_SPEC,
-                    want,
-                    fused=kind == _FB,
+                fn = st.runner._forward_backward if kind == _FB else st.runner._backward
+                cf = fn.get_concrete_function(
+                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC, want
                 )
-                for v, g in traced:
+                for v, g in zip(st.runner.read_variables, cf.structured_outputs[-1]):
                     kinds[v.ref()] = (v, g)
             self._grad_kinds[s] = list(kinds.values())
 
