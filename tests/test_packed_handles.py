@@ -142,9 +142,13 @@ def test_the_packer_leaves_single_and_symbolic_handles_alone():
         args = packer.Args([a.handle, b.handle, c.handle, symbolic, tf.constant(1.0)])
         seen['same'] = [x is y for x, y in zip(args, [a.handle, b.handle, c.handle, symbolic])]
         seen['ops'] = [x.op.type for x in args[:2]]
+        again = packer.Args([a.handle, b.handle])
+        stacks = {x.op.inputs[0].ref() for x in args[:2] + again}
+        seen['stacks'] = len(stacks)
         return [tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) for h in args[:3]]
 
     values = f()
     assert seen['same'] == [False, False, True, True]  # c: the only handle on its device
+    assert seen['stacks'] == 1  # a second branch with the same handles reuses the stack
     assert seen['ops'] == ['Unpack', 'Unpack']
     assert [float(v) for v in values] == [1.0, 2.0, 3.0]

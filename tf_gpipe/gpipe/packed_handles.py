@@ -25,6 +25,7 @@ class HandlePacker:
     def __init__(self):
         self._graph = tf.compat.v1.get_default_graph()
         self._packs = []  # (device, [handles])
+        self._stacks = {}  # (device, the handles' refs) -> their stack (F and B of a cell share)
 
     def Args(self, captured):
         """A call's captured inputs with its variable handles (eager resource tensors, two or
@@ -38,9 +39,12 @@ class HandlePacker:
             if len(indices) < 2:
                 continue
             handles = [captured[i] for i in indices]
-            with self._graph.as_default(), tf.device(device):
-                packed = tf.stack(handles)
-            self._packs.append((device, handles))
+            key = (device, tuple(h.ref() for h in handles))
+            if key not in self._stacks:
+                with self._graph.as_default(), tf.device(device):
+                    self._stacks[key] = tf.stack(handles)
+                self._packs.append((device, handles))
+            packed = self._stacks[key]
             for i, h in zip(indices, tf.unstack(packed, num=len(indices))):
                 args[i] = h
         return args
