@@ -24,8 +24,8 @@ class HandlePacker:
 
     def __init__(self):
         self._graph = tf.compat.v1.get_default_graph()
-        self._packs = []  # (device, [handles])
-        self._stacks = {}  # (device, the handles' refs) -> their stack (F and B of a cell share)
+        # (device, the handles' refs) -> (handles, their stack): F and B of a cell share one.
+        self._stacks = {}
 
     def Args(self, captured):
         """A call's captured inputs with its variable handles (eager resource tensors, two or
@@ -42,9 +42,8 @@ class HandlePacker:
             key = (device, tuple(h.ref() for h in handles))
             if key not in self._stacks:
                 with self._graph.as_default(), tf.device(device):
-                    self._stacks[key] = tf.stack(handles)
-                self._packs.append((device, handles))
-            packed = self._stacks[key]
+                    self._stacks[key] = (handles, tf.stack(handles))
+            packed = self._stacks[key][1]
             for i, h in zip(indices, tf.unstack(packed, num=len(indices))):
                 args[i] = h
         return args
@@ -53,6 +52,6 @@ class HandlePacker:
         """After the loop (`after`: its outputs): one stack per pack made waiting for them, so
         that later uses of the variables wait for the loop (automatic control dependencies)."""
         with tf.control_dependencies(after):
-            for device, handles in self._packs:
+            for (device, _), (handles, _) in self._stacks.items():
                 with tf.device(device):
                     tf.stack(handles)
