@@ -36,32 +36,3 @@ def test_sums_per_variable_and_dtype_and_only_what_they_hold():
     np.testing.assert_array_equal(got[b.ref()], np.arange(4.0))
     assert got[c.ref()].dtype == np.float16 and got[c.ref()].tolist() == [1.0, 1.0]
     np.testing.assert_array_equal(got[never.ref()], np.zeros([3, 1]))
-
-
-def test_a_read_is_one_call_per_list_whatever_the_number_of_variables():
-    """The step's own graph gets a call per device and dtype from Read, not ops per variable
-    (Grappler and the placer take that graph whole at the first call)."""
-
-    def ops_of_read(num_variables):
-        pairs = [
-            (tf.Variable(tf.zeros([i + 1, 2])), tf.TensorSpec([i + 1, 2]))
-            for i in range(num_variables)
-        ]
-        sums = dense_sums.DenseSums(pairs)
-        counted = []
-
-        @tf.function(autograph=False)
-        def run():
-            lists = sums.Add(sums.New(), [(v, tf.ones(sp.shape)) for v, sp in pairs])
-            graph = tf.compat.v1.get_default_graph()
-            first = len(graph.get_operations())
-            read = sums.Read(lists)
-            counted.append(len(graph.get_operations()) - first)
-            assert [t.shape for _, t in read] == [sp.shape for _, sp in pairs]  # static shapes
-            return [t for _, t in read]
-
-        for (_, sp), t in zip(pairs, run()):
-            np.testing.assert_array_equal(t.numpy(), np.ones(sp.shape.as_list()))
-        return counted[0]
-
-    assert ops_of_read(2) == ops_of_read(7) <= 2

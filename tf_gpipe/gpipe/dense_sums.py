@@ -48,13 +48,11 @@ class DenseSums:
         return lists
 
     def Read(self, lists):
-        """[(variable, its sum)] out of `lists`: one call per list, so the step's own graph
-        (which Grappler and the placer take whole at the first call) holds a call per device
-        and dtype, not three ops per variable."""
+        """[(variable, its sum)] out of `lists`."""
         out = []
         for handle, group in zip(lists, self.groups):
-            shapes = tuple(tuple(sp.shape.as_list()) for _, sp in group)
-            out += zip([v for v, _ in group], _read(handle, shapes, group[0][1].dtype))
+            for vi, (v, sp) in enumerate(group):
+                out.append((v, _get(handle, vi, sp.shape, sp.dtype)))
         return out
 
 
@@ -72,9 +70,3 @@ def _add(handle, grads, at, shapes, dtype):
         total = _get(handle, i, shape, dtype) + tf.cast(g, dtype)
         handle = tf.raw_ops.TensorListSetItem(input_handle=handle, index=i, item=total)
     return handle
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _read(handle, shapes, dtype):
-    """Every entry of the list (zeros of its shape while unset)."""
-    return [_get(handle, i, shape, dtype) for i, shape in enumerate(shapes)]

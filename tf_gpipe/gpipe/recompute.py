@@ -145,17 +145,9 @@ class CellRunner:
             training=training, step=step, seed_offset=micro_batch, recompute=recompute
         )
 
-    def _Forward(self, inputs, targets, step, micro_batch, training, cell_outputs=True):
+    def _Forward(self, inputs, targets, step, micro_batch, training):
         with distribute.on(self.device), self._Scope(step, micro_batch, training):
-            return self._Outputs(self._Run(inputs, targets), cell_outputs)
-
-    def _Outputs(self, outputs, cell_outputs):
-        """`outputs`, or with a loss head and `cell_outputs=False` (None, loss, weight): an
-        output no call site reads makes Grappler's function optimizer give that site a copy
-        of the whole function without it, optimised on its own at the first call."""
-        if cell_outputs or self.head is None:
-            return outputs
-        return (None,) + tuple(outputs[1:])
+            return self._Run(inputs, targets)
 
     def _Backward(self, inputs, targets, output_grads, step, micro_batch, want):
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W). With a
@@ -169,19 +161,16 @@ class CellRunner:
             variables = self._NoteRead(tape.watched_variables())
             return self._Gradients(tape, sources, outputs, output_grads, variables, want)
 
-    def _ForwardBackward(
-        self, inputs, targets, output_grads, step, micro_batch, want, cell_outputs=True
-    ):
+    def _ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want):
         """A kept micro-batch whose backward comes right after its forward, as one call:
         (outputs, d_inputs, d_variables); the forward is the real one (state updates run).
-        With a loss head, `output_grads` may be the weighted loss's gradient alone, and
-        `cell_outputs=False` returns None for the cell's outputs (the loss and weight only)."""
+        With a loss head, `output_grads` may be the weighted loss's gradient alone."""
         with distribute.on(self.device), self._Scope(step, micro_batch):
             tape, sources, outputs = self._RunTaped(inputs, targets)
             output_grads = self._FromLoss(outputs, output_grads)
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
-            return (self._Outputs(outputs, cell_outputs),) + grads
+            return (outputs,) + grads
 
     def _FromLoss(self, outputs, output_grads):
         """With a loss head, `output_grads` may be the weighted loss's gradient alone (the
@@ -261,10 +250,9 @@ class CellRunner:
 
     # ---- what the executor calls -------------------------------------------------------------
 
-    def Forward(self, inputs, targets, step, micro_batch, training=True, cell_outputs=True):
-        """The cell's outputs for one micro-batch; no activations are kept. With a loss head
-        and `cell_outputs=False`: (None, weighted loss, weight)."""
-        return self._forward(inputs, targets, step, micro_batch, training, cell_outputs)
+    def Forward(self, inputs, targets, step, micro_batch, training=True):
+        """The cell's outputs for one micro-batch; no activations are kept."""
+        return self._forward(inputs, targets, step, micro_batch, training)
 
     def ForwardKeep(self, inputs, targets, step, micro_batch):
         """Forward whose activations are kept, for `BackwardKept` / `SplitBackward`.
@@ -355,14 +343,11 @@ class CellRunner:
         with distribute.on(self.device):
             return list(zip(fns.split_variables, fns.Weights(token, w_feeds)))
 
-    def ForwardBackward(
-        self, inputs, targets, output_grads, step, micro_batch, want='all', cell_outputs=True
-    ):
+    def ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(outputs, d_float_inputs, [(variable, d_variable)]): forward and backward of a
-        micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's).
-        With a loss head and `cell_outputs=False`, outputs is (None, weighted loss, weight)."""
+        micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's)."""
         out, d_x, d_v = self._forward_backward(
-            inputs, targets, output_grads, step, micro_batch, want, cell_outputs
+            inputs, targets, output_grads, step, micro_batch, want
         )
         return out, d_x, list(zip(self._read, d_v))
 

@@ -41,7 +41,6 @@ from tf_gpipe.gpipe import (
     trace,
     unordered,
 )
-from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
@@ -96,7 +95,7 @@ def _is_float_spec(spec):
 class _Stage:
     """What the loop knows of stage s before it runs: its calls traced, its message shapes."""
 
-    def __init__(self, index, runner, in_struct, tgt_struct, sched, fused_only, want_outputs):
+    def __init__(self, index, runner, in_struct, tgt_struct, sched, fused_only):
         self.index = index
         self.runner = runner
         self.device = runner.device
@@ -108,28 +107,15 @@ class _Stage:
             # Only fused calls run this cell (1F1B's last, every micro-batch kept): its
             # outputs' specs come from that trace, not from a forward's that nothing calls.
             call = runner._forward_backward.get_concrete_function(
-                in_struct,
-                self.tgt_struct,
-                _SCALAR,
-                _STEP_SPEC,
-                _STEP_SPEC,
-                fused_only,
-                want_outputs,
+                in_struct, self.tgt_struct, _SCALAR, _STEP_SPEC, _STEP_SPEC, fused_only
             )
             out = tf.nest.map_structure(spec_of, call.structured_outputs[0])
         else:
             forward = runner._forward.get_concrete_function(
-                in_struct,
-                self.tgt_struct,
-                _STEP_SPEC,
-                _STEP_SPEC,
-                True,
-                want_outputs or not self.last,
+                in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC, True
             )
             out = tf.nest.map_structure(spec_of, forward.structured_outputs)
-        # Last: (outputs, loss, weight), its outputs None when the step does not return them
-        # (its calls then do not either: CellRunner._Outputs).
-        self.out_struct = out[0] if self.last else out
+        self.out_struct = out[0] if self.last else out  # last: (outputs, loss, weight)
         self.in_flat = tf.nest.flatten(in_struct)
         self.out_flat = tf.nest.flatten(self.out_struct)
         self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
@@ -226,8 +212,8 @@ class TickLoop:
         num_m = len(micro_inputs)
         table = self._Table()
         keys = self._BranchKeys(table)
-        stages = self._Stages(micro_inputs, micro_targets, keys, want_outputs)
-        self._TraceGradients(stages, keys, want_outputs)
+        stages = self._Stages(micro_inputs, micro_targets, keys)
+        self._TraceGradients(stages, keys)
         state, ctx = self._InitialState(stages, micro_inputs, micro_targets, want_outputs)
         ctx.keys = keys
         ctx.tables, ctx.columns, ctx.where = self._DeviceTables(table, keys, num_m)
@@ -254,7 +240,7 @@ class TickLoop:
         ctx.packer.Release(tf.nest.flatten(final, expand_composites=True))
         self._Collect(final, num_m, want_outputs)
 
-    def _Stages(self, micro_inputs, micro_targets, keys, want_outputs):
+    def _Stages(self, micro_inputs, micro_targets, keys):
         """A _Stage per stage, each taking the previous one's output structure."""
         tgt_struct = (
             None
@@ -266,9 +252,7 @@ class TickLoop:
         for s in range(self.sched.num_stages):
             used = _used_kinds(keys, s)
             fused_only = self._Want(_FB, s) if used == {_FB} else None
-            st = _Stage(
-                s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only, want_outputs
-            )
+            st = _Stage(s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only)
             stages.append(st)
             in_struct = st.out_struct
         return stages
@@ -282,7 +266,7 @@ class TickLoop:
                     keys[d].append((kind, s))
         return keys
 
-    def _TraceGradients(self, stages, keys, want_outputs):
+    def _TraceGradients(self, stages, keys):
         """Traces every call the branches make (so the variables each stage reads are known)
         and sets `_grad_kinds`: stage -> [(variable, its gradient in a trace)], from which the
         dense gradients (summed in the loop) and sparse ones (kept per m) are told apart.
@@ -306,13 +290,10 @@ class TickLoop:
                 want = self._Want(kind, s)
                 if want is None:
                     continue
-                args = (st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC)
-                if kind == _FB:
-                    cf = st.runner._forward_backward.get_concrete_function(
-                        *args, want, want_outputs
-                    )
-                else:
-                    cf = st.runner._backward.get_concrete_function(*args, want)
+                fn = st.runner._forward_backward if kind == _FB else st.runner._backward
+                cf = fn.get_concrete_function(
+                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC, want
+                )
                 for v, g in zip(st.runner.read_variables, cf.structured_outputs[-1]):
                     kinds[v.ref()] = (v, g)
             self._grad_kinds[s] = list(kinds.values())
@@ -624,7 +605,7 @@ class TickLoop:
 
         def output_grads():
             if st.last:
-                return opaque(tf.ones([]))  # d (weighted loss) = 1, not a constant (opaque.py)
+                return tf.ones([])  # d (weighted loss) = 1
             floats = [sp if _is_float_spec(sp) else None for sp in st.out_flat]
             return tf.nest.pack_sequence_as(st.out_struct, read(state['d'][s][-1], floats))
 
@@ -663,14 +644,14 @@ class TickLoop:
                     b_to_w = [w_feeds[i] for i in fns.b_to_w_positions]
                     msg['bw'][s] = st.bw_slots.Write(msg['bw'][s], index, b_to_w)
                 else:  # B and W of one backward, back to back: the last use
-                    d_split = fns.Weights(opaque(tf.zeros([], tf.int32)), w_feeds)
+                    d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
                     d_vars += list(zip(fns.split_variables, d_split))
                     msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
             else:  # WK, the last use
                 b_to_w = st.bw_slots.Read(msg['bw'][s], index)
                 w_feeds = fns.WeightFeeds(residuals, flat_dys(), b_to_w)
                 d_vars = list(
-                    zip(fns.split_variables, fns.Weights(opaque(tf.zeros([], tf.int32)), w_feeds))
+                    zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), w_feeds))
                 )
                 msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
                 msg['bw'][s] = st.bw_slots.Free(msg['bw'][s], index)
@@ -694,25 +675,13 @@ class TickLoop:
             if kind in _KEPT.values():
                 return run_kept(msg, seed)
             if kind == FORWARD:
-                y = runner.Forward(
-                    read_inputs(),
-                    read_targets(),
-                    ctx.step[d],
-                    seed,
-                    cell_outputs=ctx.want_outputs or not st.last,
-                )
+                y = runner.Forward(read_inputs(), read_targets(), ctx.step[d], seed)
                 forward_message(msg, y)
                 return msg
             want = self._Want(kind, s)
             if kind == _FB:
                 y, d_x, d_vars = runner.ForwardBackward(
-                    read_inputs(),
-                    read_targets(),
-                    output_grads(),
-                    ctx.step[d],
-                    seed,
-                    want,
-                    cell_outputs=ctx.want_outputs,
+                    read_inputs(), read_targets(), output_grads(), ctx.step[d], seed, want
                 )
                 outputs, weighted, weight = y
                 msg['loss'] = [weighted, weight]
