@@ -14,7 +14,8 @@ worker processes on 127.0.0.1, one core each): a warm-up op, then the plain sequ
 step (one device), then the schedule's `ComputeGradients` step (and the unrolled executor's
 with --compare_unrolled), all on a
 Transformer stack (d=--dim, 2 heads, hidden 2d, batch 64 x 16 tokens). Per step: trace seconds
-(`get_concrete_function`), first-call seconds, nodes of the outer graph and of its function
+(`get_concrete_function`), first-call seconds (wall clock, and the process's CPU time in the
+rows: steadier on a shared host), nodes of the outer graph and of its function
 library, and the steady step (median of --steps calls). Printed: start-up (trace + first call)
 per M, its growth from the smallest to the largest M, the ratio to the plain step's at the
 largest M, and the nodes each extra micro-batch adds.
@@ -96,16 +97,22 @@ def _measure(step, args):
     import tensorflow as tf
 
     fn = tf.function(step)
-    t0 = time.perf_counter()
+    # Process CPU time beside wall time: on a shared host the wall clock also counts the time
+    # others took the cores (one commit's start-up at M=32, K=4, L=64: medians 48.3 and 65.8 s
+    # in two runs 45 minutes apart), the CPU time less so. The first call's counts every
+    # thread of the process (its one step's too).
+    c0, t0 = time.process_time(), time.perf_counter()
     concrete = fn.get_concrete_function(*args)
-    t1 = time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
-    t2 = time.perf_counter()
+    c2, t2 = time.process_time(), time.perf_counter()
     graph = concrete.graph.as_graph_def()
     row = dict(
         trace_s=t1 - t0,
         first_call_s=t2 - t1,
         startup_s=t2 - t0,
+        trace_cpu_s=c1 - c0,
+        first_call_cpu_s=c2 - c1,
         outer_nodes=len(graph.node),
         library_nodes=sum(len(f.node_def) for f in graph.library.function),
     )
@@ -372,6 +379,7 @@ def main(argv):
                     print(
                         f'K={k} L={num_layers} M={m} run {run} {r["kind"]:8s} {r["schedule"]:16s} '
                         f'trace {r["trace_s"]:6.2f}s first {r["first_call_s"]:6.2f}s '
+                        f'(CPU {r["trace_cpu_s"]:6.2f}s {r["first_call_cpu_s"]:6.2f}s) '
                         f'steady {1e3 * r["steady_s"]:7.1f}ms nodes {r["outer_nodes"]} '
                         f'lib {r["library_nodes"]}',
                         flush=True,
