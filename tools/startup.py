@@ -100,7 +100,7 @@ def _measure(step, args):
     # Process CPU time beside wall time: on a shared host the wall clock also counts the time
     # others took the cores (one commit's start-up at M=32, K=4, L=64: medians 48.3 and 65.8 s
     # in two runs 45 minutes apart), the CPU time less so. The first call's counts every
-    # thread of the process (its one step's too).
+    # thread of the process (its one step's too); with --workers, this client's alone.
     c0, t0 = time.process_time(), time.perf_counter()
     concrete = fn.get_concrete_function(*args)
     c1, t1 = time.process_time(), time.perf_counter()
