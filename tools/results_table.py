@@ -335,8 +335,9 @@ def startup_table(result):
         "start-up, and the median of each round's ratios:"
     )
     lines = [
-        f'{engine}{result["model"]}, recompute={result["recompute"]}; start-up = trace + first '
-        'call of '
+        f'{engine}{result["model"]}, recompute={result["recompute"]}'
+        + (f', twin_cells={result["twin_cells"]}' if 'twin_cells' in result else '')
+        + '; start-up = trace + first call of '
         + {
             'eval': "eval's forward (FProp in eval mode)",
             'fprop': "a training step by gpipe's FProp under a tape (loss and gradients)",

@@ -47,6 +47,12 @@ TICK_LOOP = flags.DEFINE_bool(
     'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks (opt-in in the '
     'library); --notick_loop: the unrolled executor (the library default).',
 )
+TWINS = flags.DEFINE_bool(
+    'twin_cells',
+    True,
+    'PipelinedLayer.twin_cells (the library default): cells of the same layers trace their '
+    'backward once; --notwin_cells: every cell traces its own.',
+)
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
     False,
@@ -213,6 +219,7 @@ def _measure_all(k, num_layers, m, devices):
                 virtual_stages=v,
                 tick_loop=loop,
                 eval_loop=loop,
+                twin_cells=TWINS.value,
                 devices=devices,
             )
             .Instantiate()
@@ -359,6 +366,7 @@ def main(argv):
                     f'--schedules={schedule}',
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
+                    f'--twin_cells={TWINS.value}',
                     f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
@@ -402,6 +410,7 @@ def main(argv):
             + (', each stage on a single-core TF worker process' if WORKERS.value else '')
         ),
         recompute=POLICY.value,
+        twin_cells=TWINS.value,
         measured=MEASURE.value,
         rows=rows,
         summary=summarise(rows),

@@ -40,13 +40,13 @@ class BackwardLoop(forward_loop.Wave):
         # weight gradients it returns into dense (summed in the loop) and sparse (kept per m).
         dense, sparse = [], []  # per cell: [(variable, spec)] / [(variable, values, indices)]
         for s, runner in enumerate(runners):
-            fn = runner._backward.get_concrete_function(
+            outputs, variables = runner.BackwardFunction(
                 in_specs[s], None, grad_specs[s], step_spec, step_spec, wants[s]
             )
-            d_vars = fn.structured_outputs[-1]
+            d_vars = outputs[-1]
             dense.append([])
             sparse.append([])
-            for v, g in zip(runner.read_variables, d_vars):
+            for v, g in zip(variables, d_vars):
                 if isinstance(g, tf.IndexedSlices):
                     specs = (spec_of(g.values), spec_of(g.indices))
                     if not all(sp.shape.is_fully_defined() for sp in specs):

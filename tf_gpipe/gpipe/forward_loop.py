@@ -209,7 +209,7 @@ class ForwardLoop(Wave):
         for runner in self.runners:
             self.in_specs.append(spec)
             # The same signature as the calls in the loop body: traced once, here.
-            fn = runner._forward.get_concrete_function(spec, None, step_spec, step_spec, training)
+            fn = runner.ForwardFunction(spec, None, step_spec, step_spec, training)
             spec = tf.nest.map_structure(spec_of, fn.structured_outputs)
             self.out_specs.append(spec)
         last_flat = present(self.out_specs[-1])

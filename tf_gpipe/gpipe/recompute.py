@@ -26,10 +26,12 @@ The last cell of a `ComputeGradients` pipeline also runs the caller's loss on it
 function returns (outputs, weighted loss, weight) and its backward starts from d loss = 1.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import split_functions, weight_gradients
+from tf_gpipe.gpipe import split_functions, twins, weight_gradients
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -102,6 +104,24 @@ class CellRunner:
         self._forward = tf.function(self._Forward, **options)
         self._backward = tf.function(self._Backward, **options)
         self._forward_backward = tf.function(self._ForwardBackward, **options)
+        # Twin cells (twins.py): the first cell of a group traces the shared backward without
+        # device annotations (each call is placed on its caller's device); a twin calls it.
+        self._twin_of = None  # the group's first runner, on a twin
+        self._variable_of = None  # id(handle) -> variable, of every cell of the pipeline
+        self._twin_maps = {}  # call signature -> capture map, or None where not a twin
+        self._shared_backward = None  # on the group's first runner
+        self._forward_keys = set()  # signatures its forward was called or traced with
+
+    def ShareBackward(self, first, variable_of):
+        """Makes this runner a twin candidate of `first` (an earlier cell of the same layer
+        classes and variable shapes): its backward is first's trace wherever their forwards
+        prove the same (twins.py). `variable_of` maps id(handle) to every pipeline variable."""
+        if self._jit or first._jit or self.head is not None or first.head is not None:
+            return
+        self._twin_of, self._variable_of = first, variable_of
+        if first._shared_backward is None:
+            options = dict(experimental_attributes=_NOINLINE, autograph=False)
+            first._shared_backward = tf.function(first._BackwardUnplaced, **options)
 
     def WithHead(self, head):
         """A runner of the same cell whose function ends with the loss `head`."""
@@ -149,10 +169,11 @@ class CellRunner:
         with distribute.on(self.device), self._Scope(step, micro_batch, training):
             return self._Run(inputs, targets)
 
-    def _Backward(self, inputs, targets, output_grads, step, micro_batch, want):
+    def _Backward(self, inputs, targets, output_grads, step, micro_batch, want, placed=True):
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W). With a
         loss head, `output_grads` may be the weighted loss's gradient alone."""
-        with distribute.on(self.device), self._Scope(step, micro_batch, recompute=True):
+        place = distribute.on(self.device) if placed else contextlib.nullcontext()
+        with place, self._Scope(step, micro_batch, recompute=True):
             graph = tf.compat.v1.get_default_graph()
             first = len(graph.get_operations())
             tape, sources, outputs = self._RunTaped(inputs, targets)
@@ -160,6 +181,11 @@ class CellRunner:
             output_grads = self._FromLoss(outputs, output_grads)
             variables = self._NoteRead(tape.watched_variables())
             return self._Gradients(tape, sources, outputs, output_grads, variables, want)
+
+    def _BackwardUnplaced(self, inputs, targets, output_grads, step, micro_batch, want):
+        """_Backward with no device annotation inside: the twins' shared trace."""
+        with tf.device(None):
+            return self._Backward(inputs, targets, output_grads, step, micro_batch, want, False)
 
     def _ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want):
         """A kept micro-batch whose backward comes right after its forward, as one call:
@@ -252,6 +278,7 @@ class CellRunner:
 
     def Forward(self, inputs, targets, step, micro_batch, training=True):
         """The cell's outputs for one micro-batch; no activations are kept."""
+        self._forward_keys.add(_signature((inputs, targets, step, micro_batch), training))
         return self._forward(inputs, targets, step, micro_batch, training)
 
     def ForwardKeep(self, inputs, targets, step, micro_batch):
@@ -266,7 +293,7 @@ class CellRunner:
         with tape:
             sources = [x for x in tf.nest.flatten(inputs) if _is_float(x)]
             tape.watch(sources)
-            outputs = self._forward(inputs, targets, step, micro_batch, True)
+            outputs = self.Forward(inputs, targets, step, micro_batch, True)
         return outputs, (tape, sources, outputs)
 
     def BackwardKept(self, kept, output_grads, want='all'):
@@ -353,6 +380,102 @@ class CellRunner:
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
+        args = (inputs, targets, output_grads, step, micro_batch)
+        shared = self._Shared(args, want)
+        if shared is not None:
+            concrete, captures, variables = shared
+            with distribute.on(self.device):
+                out = twins.call(concrete, args, captures)
+            if out is not None:
+                d_x, d_v = out
+                return d_x, list(zip(variables, d_v))
         d_x, d_v = self._backward(inputs, targets, output_grads, step, micro_batch, want)
         # A retrace may have found more variables; an older trace returns a prefix of the list.
         return d_x, list(zip(self._read, d_v))
+
+    def BackwardFunction(self, inputs, targets, output_grads, step, micro_batch, want='all'):
+        """(structured outputs, variables) of the backward `Backward` calls for these
+        arguments (TensorSpecs allowed): its (d_inputs, d_variables) and the variables the
+        latter belong to, in order. Traces it if needed."""
+        args = (inputs, targets, output_grads, step, micro_batch)
+        shared = self._Shared(args, want)
+        if shared is not None:
+            concrete, _, variables = shared
+            return concrete.structured_outputs, variables
+        concrete = self._backward.get_concrete_function(*args, want)
+        return concrete.structured_outputs, self.read_variables
+
+    def FusedFunction(self, inputs, targets, output_grads, step, micro_batch, want='all'):
+        """(structured outputs, variables) of `ForwardBackward`'s traced call for these
+        arguments: (outputs, d_inputs, d_variables) and the variables of the last."""
+        concrete = self._forward_backward.get_concrete_function(
+            inputs, targets, output_grads, step, micro_batch, want
+        )
+        return concrete.structured_outputs, self.read_variables
+
+    def ForwardFunction(self, inputs, targets, step, micro_batch, training=True):
+        """The traced forward `Forward` calls for these arguments (TensorSpecs allowed)."""
+        self._forward_keys.add(_signature((inputs, targets, step, micro_batch), training))
+        return self._forward.get_concrete_function(inputs, targets, step, micro_batch, training)
+
+    def _Shared(self, args, want):
+        """(the shared backward traced for args, this cell's captures for it, the variables of
+        its d_variables) when this cell is a proven twin for this call (or the first of its
+        group); else None, and the cell calls a backward traced for itself."""
+        first = self if self._shared_backward is not None else self._twin_of
+        if first is None or tf.executing_eagerly() or not distribute.places_by_device_name():
+            return None
+        key = _signature(args, want)
+        if key not in self._twin_maps:
+            self._twin_maps[key] = self._TwinMap(first, args)
+        mapping = self._twin_maps[key]
+        if mapping is None:
+            return None
+        concrete = first._shared_backward.get_concrete_function(*args, want)
+        values = [external for external, _ in concrete.graph.captures]
+        # Its d_variables belong to first's read variables as they were at its trace (a
+        # prefix of the list now); each must be one this cell's forward has a counterpart of.
+        read = first.read_variables
+        if any(id(v) not in mapping for v in values) or any(
+            id(v.handle) not in mapping for v in read
+        ):
+            self._twin_maps[key] = None
+            return None
+        captures = [mapping[id(v)] for v in values]
+        if first is self:
+            return concrete, captures, list(read)
+        variables = [self._variable_of[id(mapping[id(v.handle)])] for v in read]
+        self._NoteRead(variables)
+        return concrete, captures, variables
+
+    def _TwinMap(self, first, args):
+        """The capture map from `first`'s forward to this cell's (identity on `first`), or None
+        when the two forwards for these arguments are not the same computation."""
+        inputs, targets, _, step, micro_batch = args
+        mine = self._forward.get_concrete_function(inputs, targets, step, micro_batch, True)
+        if first is self:
+            return {id(v): v for v, _ in mine.graph.captures}
+        # Only a signature first's own forward ran with: a cell of other inputs (a functional
+        # model's cells take different tensors) is never traced with this cell's.
+        if self._variable_of is None or _signature(args[:2] + args[3:], True) not in (
+            first._forward_keys
+        ):
+            return None
+        theirs = first._forward.get_concrete_function(inputs, targets, step, micro_batch, True)
+        return twins.capture_map(theirs, mine, self._variable_of)
+
+
+def _signature(args, want):
+    """A call's signature for the twin maps: its structure, each tensor's shape and dtype,
+    other values as they are."""
+
+    def leaf(x):
+        if isinstance(x, tf.Tensor | tf.TensorSpec):
+            return (tuple(x.shape.as_list()) if x.shape.rank is not None else None, x.dtype)
+        return x
+
+    return (
+        str(tf.nest.map_structure(lambda _: 0, args)),
+        tuple(map(leaf, tf.nest.flatten(args))),
+        want,
+    )

@@ -106,14 +106,12 @@ class _Stage:
         if self.last and fused_only:
             # Only fused calls run this cell (1F1B's last, every micro-batch kept): its
             # outputs' specs come from that trace, not from a forward's that nothing calls.
-            call = runner._forward_backward.get_concrete_function(
+            outputs, _ = runner.FusedFunction(
                 in_struct, self.tgt_struct, _SCALAR, _STEP_SPEC, _STEP_SPEC, fused_only
             )
-            out = tf.nest.map_structure(spec_of, call.structured_outputs[0])
+            out = tf.nest.map_structure(spec_of, outputs[0])
         else:
-            forward = runner._forward.get_concrete_function(
-                in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC, True
-            )
+            forward = runner.ForwardFunction(in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC)
             out = tf.nest.map_structure(spec_of, forward.structured_outputs)
         self.out_struct = out[0] if self.last else out  # last: (outputs, loss, weight)
         self.in_flat = tf.nest.flatten(in_struct)
@@ -290,11 +288,12 @@ class TickLoop:
                 want = self._Want(kind, s)
                 if want is None:
                     continue
-                fn = st.runner._forward_backward if kind == _FB else st.runner._backward
-                cf = fn.get_concrete_function(
-                    st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC, want
-                )
-                for v, g in zip(st.runner.read_variables, cf.structured_outputs[-1]):
+                args = (st.in_struct, st.tgt_struct, st.OutputGradSpecs(), _STEP_SPEC, _STEP_SPEC)
+                if kind == _FB:
+                    outputs, variables = st.runner.FusedFunction(*args, want)
+                else:
+                    outputs, variables = st.runner.BackwardFunction(*args, want)
+                for v, g in zip(variables, outputs[-1]):
                     kinds[v.ref()] = (v, g)
             self._grad_kinds[s] = list(kinds.values())
 

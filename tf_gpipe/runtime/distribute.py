@@ -161,6 +161,12 @@ def on(device):
     return mesh.strategy().extended.experimental_logical_device(core)
 
 
+def places_by_device_name():
+    """Whether `on(device)` is tf.device(device) here: not inside a tf.distribute strategy's
+    replica (whose variables and placement the strategy owns) nor a TPU replica."""
+    return not tf.distribute.has_strategy() and _tpu_replica_mesh() is None
+
+
 def tpu_replica_id():
     """Inside a TPU replica: its id (a tensor: TPU replicas run one program); else None."""
     if _tpu_replica_mesh() is None:

@@ -20,6 +20,11 @@ def PipelineParams():
     p.Define('num_replicas', 1, 'R: data-parallel replicas of the pipeline.')
     p.Define('jit_compile', False, 'XLA for each cell.')
     p.Define(
+        'twin_cells',
+        True,
+        'Cells of the same layers trace their backward once (PipelinedLayer.twin_cells).',
+    )
+    p.Define(
         'tick_loop',
         False,
         'The training step as a loop over clock ticks: start-up flat in M, for now a slower '
@@ -91,6 +96,7 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         splits=pp.splits,
         num_replicas=pp.num_replicas,
         jit_compile=pp.jit_compile,
+        twin_cells=pp.twin_cells,
         tick_loop=pp.tick_loop,
         eval_loop=pp.eval_loop,
     )

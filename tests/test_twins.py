@@ -1,0 +1,183 @@
+"""Twin cells (twins.py): cells of the same layers share one trace of their backward.
+
+Pinned here: which forwards count as the same computation (names and devices aside, never a
+different constant or variable shape); a shared call with another cell's captures computes
+that cell's function, sparse gradients included; in a pipeline of identical cells, the middle
+cells call one backward function, each on its own device, with no device inside it; cells that
+differ (dropout seeds by layer name) trace their own; and every schedule and recompute policy,
+unrolled and as a tick loop, gives the numbers of the pipeline whose cells trace their own
+(itself checked against the plain layer sequence in test_pipelined_layer.py).
+"""
+
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_gpipe import gpipe, layers
+from tf_gpipe.gpipe import twins
+
+K = 4
+
+
+def _reduce(v, scale=2.0):
+    @tf.function(autograph=False)
+    def f(x):
+        return tf.reduce_sum(x * v * scale)
+
+    return f.get_concrete_function(tf.TensorSpec([3]))
+
+
+def test_capture_map_needs_the_same_computation_and_like_values():
+    a, b = tf.Variable(tf.ones([3]), name='a'), tf.Variable(tf.ones([3]) * 2, name='b')
+    c = tf.Variable(tf.ones([1]), name='c')  # broadcasts: the same ops, another shape
+    variable_of = {id(v.handle): v for v in (a, b, c)}
+    with tf.device('/CPU:1'):
+        fb = _reduce(b)
+    mapping = twins.capture_map(_reduce(a), fb, variable_of)
+    assert mapping == {id(a.handle): b.handle}
+    assert twins.capture_map(_reduce(a), _reduce(b, 3.0), variable_of) is None
+    assert twins.capture_map(_reduce(a), _reduce(c), variable_of) is None
+    assert twins.capture_map(_reduce(a), _reduce(b), {}) is None  # variables not known
+
+
+def test_a_shared_call_computes_with_the_captures_it_is_given():
+    a = tf.Variable(tf.range(12, dtype=tf.float32)[:, None] * tf.ones([1, 3]))
+    b = tf.Variable(tf.ones([12, 3]) * 0.5)
+    ids = tf.constant([1, 4, 4])
+
+    def backward(v):
+        @tf.function(autograph=False)
+        def f(x):
+            with tf.GradientTape() as tape:
+                y = tf.reduce_sum(tf.gather(v, ids) * x)
+            return y, tape.gradient(y, v)  # IndexedSlices
+
+        return f
+
+    spec = tf.TensorSpec([3, 3])
+    concrete = backward(a).get_concrete_function(spec)
+    x = tf.reshape(tf.range(9, dtype=tf.float32), [3, 3])
+
+    # Its captures: a's handle and the ids; b's handle in place of a's.
+    captures = [b.handle if c is a.handle else c for c, _ in concrete.graph.captures]
+    assert len(captures) == 2 and captures[0] is b.handle
+
+    @tf.function(autograph=False)
+    def shared(x):
+        return twins.call(concrete, (x,), captures)
+
+    y, g = shared(x)
+    want_y, want_g = backward(b)(x)
+    assert isinstance(g, tf.IndexedSlices)
+    np.testing.assert_allclose(y, want_y)
+    np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(want_g))
+    assert twins.call(concrete, (x, x), captures) is None  # another structure: not this one
+
+
+def _sub(dropout=False, layers_per_cell=2):
+    """2K tanh FC layers, with a dropout layer at the start of each cell if asked."""
+    fc = layers.FCLayer.Params().Set(input_dim=6, output_dim=6, activation='TANH')
+    drop = layers.DropoutLayer.Params().Set(keep_prob=0.7)
+    sub = []
+    for i in range(2 * K):
+        sub.append(fc.Copy().Set(name=f'fc{i}'))
+        if dropout and i % layers_per_cell == 0:
+            sub.append(drop.Copy().Set(name=f'drop{i}'))
+    return sub
+
+
+def _pipe(schedule, policy, loop, twin, dropout=False, m=4):
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    return (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            random_seed=1234,  # the same weights and dropout masks in both pipelines
+            sub=_sub(dropout, layers_per_cell=2 // v),  # 2K cells of one layer if v=2
+            num_partitions=K,
+            partition_by='uniform',
+            num_micro_batches=m,
+            recompute=policy,
+            schedule=schedule,
+            virtual_stages=v,
+            tick_loop=loop,
+            twin_cells=twin,
+        )
+        .Instantiate()
+    )
+
+
+def _loss(y, t):
+    return tf.reduce_mean(tf.reduce_sum((y - t) ** 2, -1))
+
+
+def _data():
+    x = tf.random.stateless_normal([8, 6], [1, 2])
+    return x, tf.random.stateless_normal([8, 6], [3, 4])
+
+
+def _run(pipe):
+    fn = tf.function(lambda x, t: pipe.ComputeGradients(x, t, _loss), autograph=False)
+    loss, grads = fn(*_data())
+    return fn, np.asarray(loss), [np.asarray(tf.convert_to_tensor(g)) for g in grads]
+
+
+def _backward_calls(fn):
+    """{device: set of backward function names} over the traced step, outer graph and library."""
+    graph = fn.get_concrete_function(*_data()).graph.as_graph_def()
+    calls = collections.defaultdict(set)
+    bodies = {f.signature.name: f for f in graph.library.function}
+    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        name = node.attr['f'].func.name if 'f' in node.attr else ''
+        if 'Backward' in name and 'ForwardBackward' not in name:
+            calls[node.device.split('/')[-1]].add(name)
+    return calls, bodies
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+def test_the_middle_cells_call_one_backward_each_on_its_device(loop):
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True))
+    calls, bodies = _backward_calls(fn)
+    # Cell 0 wants no input gradient (a backward of its own); cells 1 and 2 share one; the
+    # last cell's micro-batches are kept (a fused call).
+    assert set(calls) == {'device:CPU:0', 'device:CPU:1', 'device:CPU:2'}
+    assert all(len(names) == 1 for names in calls.values())
+    middle = calls['device:CPU:1'] | calls['device:CPU:2']
+    assert len(middle) == 1 and not middle & calls['device:CPU:0']
+    assert all(not n.device for n in bodies[middle.pop()].node_def)  # placed by its caller
+
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, False))
+    calls, _ = _backward_calls(fn)
+    assert len(set().union(*calls.values())) == 3  # each cell its own trace
+
+
+def test_cells_that_differ_trace_their_own():
+    # Dropout's seed is a constant of the layer's name: no two cells' forwards are the same.
+    fn, *_ = _run(_pipe('1f1b', 'except_last', False, True, dropout=True))
+    calls, _ = _backward_calls(fn)
+    assert len(set().union(*calls.values())) == 3
+
+
+SCHEDULES = ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble']
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+@pytest.mark.parametrize('policy', ['never', 'except_last', 'always'])
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_twins_compute_what_cells_with_their_own_traces_compute(schedule, policy, loop):
+    _, loss, grads = _run(_pipe(schedule, policy, loop, True))
+    _, want_loss, want_grads = _run(_pipe(schedule, policy, loop, False))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_cells_refused_as_twins_stay_exact():
+    _, loss, grads = _run(_pipe('zero_bubble', 'always', True, True, dropout=True))
+    _, want_loss, want_grads = _run(_pipe('zero_bubble', 'always', True, False, dropout=True))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
