@@ -171,6 +171,21 @@ def test_cells_with_dropout_trace_their_own():
     assert len(set().union(*calls.values())) == 3
 
 
+SCHEDULES = ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble']
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+@pytest.mark.parametrize('policy', ['never', 'except_last', 'always'])
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_twins_compute_what_cells_with_their_own_traces_compute(schedule, policy, loop):
+    _, loss, grads = _run(_pipe(schedule, policy, loop, True))
+    _, want_loss, want_grads = _run(_pipe(schedule, policy, loop, False))
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
 @pytest.mark.parametrize('schedule', ['1f1b', 'zero_bubble'])
 def test_cells_refused_as_twins_stay_exact(schedule, loop):
