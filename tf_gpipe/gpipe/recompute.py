@@ -381,14 +381,14 @@ class CellRunner:
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
         args = (inputs, targets, output_grads, step, micro_batch)
-        shared = self._Shared(args, want)
+        shared, drop_x = self._SharedFor(args, want)
         if shared is not None:
             concrete, captures, variables = shared
             with distribute.on(self.device):
                 out = twins.call(concrete, args, captures)
             if out is not None:
                 d_x, d_v = out
-                return d_x, list(zip(variables, d_v))
+                return ([] if drop_x else d_x), list(zip(variables, d_v))
         d_x, d_v = self._backward(inputs, targets, output_grads, step, micro_batch, want)
         # A retrace may have found more variables; an older trace returns a prefix of the list.
         return d_x, list(zip(self._read, d_v))
@@ -398,10 +398,11 @@ class CellRunner:
         arguments (TensorSpecs allowed): its (d_inputs, d_variables) and the variables the
         latter belong to, in order. Traces it if needed."""
         args = (inputs, targets, output_grads, step, micro_batch)
-        shared = self._Shared(args, want)
+        shared, drop_x = self._SharedFor(args, want)
         if shared is not None:
             concrete, _, variables = shared
-            return concrete.structured_outputs, variables
+            d_x, d_v = concrete.structured_outputs
+            return ([] if drop_x else d_x, d_v), variables
         concrete = self._backward.get_concrete_function(*args, want)
         return concrete.structured_outputs, self.read_variables
 
@@ -417,6 +418,17 @@ class CellRunner:
         """The traced forward `Forward` calls for these arguments (TensorSpecs allowed)."""
         self._forward_keys.add(_signature((inputs, targets, step, micro_batch), training))
         return self._forward.get_concrete_function(inputs, targets, step, micro_batch, training)
+
+    def _SharedFor(self, args, want):
+        """(`_Shared` for this call, whether to drop its d_inputs). A cell that wants its
+        variables' gradients alone (the first cell) calls its group's 'all' trace, which the
+        other cells call too: one trace fewer, and Grappler cuts the unused input gradients
+        out of that call's copy, so nothing more is computed."""
+        if want == 'variables':
+            shared = self._Shared(args, 'all')
+            if shared is not None:
+                return shared, True
+        return self._Shared(args, want), False
 
     def _Shared(self, args, want):
         """(the shared backward traced for args, this cell's captures for it, the variables of
