@@ -356,6 +356,16 @@ def test_bfloat16_fprop():
         np.testing.assert_allclose(grads[name], g, atol=0.05 * float(np.abs(g).max()) + 1e-3)
 
 
+@pytest.mark.parametrize('model', ['fc', 'conv'])
+def test_exact_gradients_with_grappler_on_the_cells(model, references):
+    """cell_grappler=True (Grappler also rewrites the cells' functions) computes the same."""
+    sub, inputs = MODELS[model]()
+    for policy in POLICIES:
+        pipe = _pipe(sub, 2, 4, policy, cell_grappler=True)
+        step = tf.function(lambda *x, pipe=pipe: _loss_and_grads(pipe, x))
+        _assert_close(step(*inputs), references[model])
+
+
 def test_jit_compile(references):
     sub, inputs = _fc_model()
     pipe = _pipe(sub, 2, 4, 'except_last', jit_compile=True)

@@ -337,6 +337,7 @@ def startup_table(result):
     lines = [
         f'{engine}{result["model"]}, recompute={result["recompute"]}'
         + (f', twin_cells={result["twin_cells"]}' if 'twin_cells' in result else '')
+        + (f', cell_grappler={result["cell_grappler"]}' if 'cell_grappler' in result else '')
         + '; start-up = trace + first call of '
         + {
             'eval': "eval's forward (FProp in eval mode)",

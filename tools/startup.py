@@ -53,6 +53,12 @@ TWINS = flags.DEFINE_bool(
     'PipelinedLayer.twin_cells (the library default): cells of the same layers trace their '
     'backward once; --notwin_cells: every cell traces its own.',
 )
+CELL_GRAPPLER = flags.DEFINE_bool(
+    'cell_grappler',
+    False,
+    "PipelinedLayer.cell_grappler: Grappler on the cells' functions too (the library default "
+    'is off: a shorter first call).',
+)
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
     False,
@@ -220,6 +226,7 @@ def _measure_all(k, num_layers, m, devices):
                 tick_loop=loop,
                 eval_loop=loop,
                 twin_cells=TWINS.value,
+                cell_grappler=CELL_GRAPPLER.value,
                 devices=devices,
             )
             .Instantiate()
@@ -367,6 +374,7 @@ def main(argv):
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
                     f'--twin_cells={TWINS.value}',
+                    f'--cell_grappler={CELL_GRAPPLER.value}',
                     f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
@@ -411,6 +419,7 @@ def main(argv):
         ),
         recompute=POLICY.value,
         twin_cells=TWINS.value,
+        cell_grappler=CELL_GRAPPLER.value,
         measured=MEASURE.value,
         rows=rows,
         summary=summarise(rows),

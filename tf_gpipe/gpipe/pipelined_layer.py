@@ -79,6 +79,15 @@ class PipelinedLayer(base_layer.BaseLayer):
         )
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         p.Define(
+            'cell_grappler',
+            False,
+            "Run Grappler, TF's graph optimizer, on each cell's functions when a call first "
+            'instantiates them (grappler.py). False: a shorter first call, the same numbers; '
+            "the step around the cells keeps Grappler. True for Grappler's layout and fusion "
+            'rewrites inside the cells (e.g. convolutions on a GPU). Mixed precision asked of '
+            'Grappler keeps it on.',
+        )
+        p.Define(
             'twin_cells',
             True,
             'Cells of the same layers (their forwards the same graph) trace their '
@@ -155,7 +164,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         for r, row in enumerate(self._replica_devices):
             cells = self._replica_cells[min(r, copies - 1)]
             self._runners.append(
-                [CellRunner(c, row[i % k], i, p.jit_compile) for i, c in enumerate(cells)]
+                [
+                    CellRunner(c, row[i % k], i, p.jit_compile, grappler=p.cell_grappler)
+                    for i, c in enumerate(cells)
+                ]
             )
         if p.twin_cells and self._mesh is None:
             self._PairTwins()

@@ -31,7 +31,7 @@ import contextlib
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import split_functions, twins, weight_gradients
+from tf_gpipe.gpipe import grappler, split_functions, twins, weight_gradients
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -91,7 +91,7 @@ class LossHead:
 class CellRunner:
     """Runs cell `index` of a pipeline on its device, as forward / recompute-backward calls."""
 
-    def __init__(self, cell, device, index, jit_compile=False, head=None):
+    def __init__(self, cell, device, index, jit_compile=False, head=None, grappler=False):
         self.cell = cell
         self.device = device
         self.index = index
@@ -99,11 +99,14 @@ class CellRunner:
         self._read = []  # variables the forward reads, append-only (see _NoteRead)
         self._split = {}  # input signature -> split_functions.SplitFunctions or None
         self._jit = bool(jit_compile)
+        # Whether Grappler optimises the cell's functions when a call instantiates them
+        # (grappler.py): off by default, for a shorter first call.
+        self.grappler = bool(grappler)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)
-        self._forward = tf.function(self._Forward, **options)
-        self._backward = tf.function(self._Backward, **options)
-        self._forward_backward = tf.function(self._ForwardBackward, **options)
+        self._forward = self._Function(self._Forward, **options)
+        self._backward = self._Function(self._Backward, **options)
+        self._forward_backward = self._Function(self._ForwardBackward, **options)
         # Twin cells (twins.py): the first cell of a group traces the shared backward without
         # device annotations (each call is placed on its caller's device); a twin calls it.
         self._twin_of = None  # the group's first runner, on a twin
@@ -121,11 +124,14 @@ class CellRunner:
         self._twin_of, self._variable_of = first, variable_of
         if first._shared_backward is None:
             options = dict(experimental_attributes=_NOINLINE, autograph=False)
-            first._shared_backward = tf.function(first._BackwardUnplaced, **options)
+            first._shared_backward = first._Function(first._BackwardUnplaced, **options)
+
+    def _Function(self, python_function, **options):
+        return grappler.Function(tf.function(python_function, **options), self.grappler)
 
     def WithHead(self, head):
         """A runner of the same cell whose function ends with the loss `head`."""
-        return CellRunner(self.cell, self.device, self.index, self._jit, head)
+        return CellRunner(self.cell, self.device, self.index, self._jit, head, self.grappler)
 
     @property
     def read_variables(self):
@@ -308,7 +314,9 @@ class CellRunner:
                 opaque(tf.zeros_like(y)) if dy is None and _is_float(y) else dy
                 for y, dy in zip(outputs, output_grads)
             ]
-            d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
+            # The tape's gradient calls the backward TF derives from the forward call's.
+            with grappler.calls(self.grappler):
+                d_x, d_v = self._Gradients(tape, sources, outputs, output_grads, variables, want)
         return d_x, list(zip(variables, d_v)) if d_v else []
 
     def ForwardSplit(self, inputs, targets, step, micro_batch):
@@ -385,7 +393,7 @@ class CellRunner:
         if shared is not None:
             concrete, captures, variables = shared
             with distribute.on(self.device):
-                out = twins.call(concrete, args, captures)
+                out = twins.call(concrete, args, captures, grappler.config_proto(self.grappler))
             if out is not None:
                 d_x, d_v = out
                 return ([] if drop_x else d_x), list(zip(variables, d_v))

@@ -20,7 +20,7 @@ reads: only then does the order of its stateful ops matter. Writes nobody reads 
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import weight_gradients
+from tf_gpipe.gpipe import grappler, weight_gradients
 from tf_gpipe.runtime import distribute
 
 _NOINLINE = {'_noinline': True}
@@ -41,12 +41,36 @@ def _frontier(ops):
     return out
 
 
-def _call(function):
-    """`function` (a pruned concrete function) behind a non-inlined call of its own."""
-    return tf.function(lambda *args: function(*args), autograph=False, **_ATTRS)
+def _prune(wrapped, feeds, fetches):
+    """`wrapped.prune(feeds, fetches)` (tensors) holding only what the fetches need.
+
+    prune also copies the ops that a fed tensor's op waits for (its control inputs: a
+    counter's update, say) and leaves them unconnected. Grappler would drop them; a function
+    run without it runs every stateful op it holds, so B would update the counter again.
+    Pruning the result once more leaves them out."""
+    pruned = wrapped.prune(feeds, fetches)
+    graph = pruned.graph
+    needed, stack = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
+    while stack:
+        op = stack.pop()
+        if op not in needed:
+            needed.add(op)
+            stack += [t.op for t in op.inputs] + list(op.control_inputs)
+    if all(op in needed or op.type == 'Placeholder' for op in graph.get_operations()):
+        return pruned
+    num_fed = len(graph.inputs) - len(graph.captures)
+    return pruned.prune(graph.inputs[:num_fed], list(graph.outputs))
 
 
-def _call_after(function):
+def _call(function, optimize):
+    """`function` (a pruned concrete function) behind a non-inlined call of its own, with
+    Grappler on it if `optimize` (grappler.py)."""
+    return grappler.Function(
+        tf.function(lambda *args: function(*args), autograph=False, **_ATTRS), optimize
+    )
+
+
+def _call_after(function, optimize):
     """Like `_call`, with a first argument the call waits for (its other inputs may all be
     ready long before: the executor orders a device's actions through it)."""
 
@@ -55,7 +79,7 @@ def _call_after(function):
             args = [tf.identity(a) for a in args]
         return function(*args)
 
-    return tf.function(run, autograph=False, **_ATTRS)
+    return grappler.Function(tf.function(run, autograph=False, **_ATTRS), optimize)
 
 
 _ATTRS = dict(experimental_attributes=_NOINLINE)
@@ -64,9 +88,10 @@ _ATTRS = dict(experimental_attributes=_NOINLINE)
 class SplitFunctions:
     """F, B and W of one cell for one input signature (see the module docstring)."""
 
-    def __init__(self, wrapped, parts):
+    def __init__(self, wrapped, parts, optimize=False):
         self._wrapped = wrapped
         self._parts = parts
+        self._optimize = optimize
         self.flat_outputs = tf.nest.flatten(parts['outputs'])
         self.split_variables = parts['uses'].split
         self.unsplit_variables = parts['uses'].unsplit
@@ -76,10 +101,14 @@ class SplitFunctions:
         self._residual_args = [arg_index.get(t.ref()) for t in residuals]
         fetched = [t for t in residuals if t.ref() not in arg_index]
         self._num_fetched = len(fetched)
-        self.forward = _call(wrapped.prune(args, self.flat_outputs + fetched + parts['stateful']))
+        self.forward = _call(
+            wrapped.prune(args, self.flat_outputs + fetched + parts['stateful']), optimize
+        )
         self._backward = {}
         w_fetch = parts['d_split']
-        self.weights = _call_after(wrapped.prune(parts['w_feeds'], w_fetch)) if w_fetch else None
+        self.weights = (
+            _call_after(_prune(wrapped, parts['w_feeds'], w_fetch), optimize) if w_fetch else None
+        )
 
     def Forward(self, flat_args):
         """(outputs, residuals) of one micro-batch."""
@@ -95,7 +124,8 @@ class SplitFunctions:
         if want_inputs not in self._backward:
             p = self._parts
             fetch = (p['d_x'] if want_inputs else []) + _flat_grads(p['d_unsplit']) + p['b_to_w']
-            fn = _call(self._wrapped.prune(p['residuals'] + p['dy_phs'], fetch)) if fetch else None
+            feeds = p['residuals'] + p['dy_phs']
+            fn = _call(_prune(self._wrapped, feeds, fetch), self._optimize) if fetch else None
             self._backward[want_inputs] = fn
         return self._backward[want_inputs]
 
@@ -280,7 +310,7 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
         b_to_w=[t for t in w_feeds if t.op in b_side and t.ref() not in dy_refs],
         stateful=[op for op in fwd_ops if op.type in WRITE_OPS],
     )
-    return SplitFunctions(wrapped, parts)
+    return SplitFunctions(wrapped, parts, runner.grappler)
 
 
 # Ops that write a resource (the recompute's check uses them too).

@@ -25,6 +25,12 @@ def PipelineParams():
         'Cells of the same layers trace their backward once (PipelinedLayer.twin_cells).',
     )
     p.Define(
+        'cell_grappler',
+        False,
+        "Grappler on the cells' functions too (PipelinedLayer.cell_grappler); off: a shorter "
+        'first step.',
+    )
+    p.Define(
         'tick_loop',
         False,
         'The training step as a loop over clock ticks: start-up flat in M, for now a slower '
@@ -97,6 +103,7 @@ def PipelinedParamsFor(task_params, sub, input_shape):
         num_replicas=pp.num_replicas,
         jit_compile=pp.jit_compile,
         twin_cells=pp.twin_cells,
+        cell_grappler=pp.cell_grappler,
         tick_loop=pp.tick_loop,
         eval_loop=pp.eval_loop,
     )
