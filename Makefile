@@ -108,6 +108,12 @@ startup-results: $(STAMP)
 	$(PY) tools/startup.py --num_stages=4 --layers=16,64 --micro_batches=4,32 --schedules=1f1b \
 	  --repeats=3 --steps=3 --output=$(RESULTS)/startup_repeats_k4.json \
 	  > $(RESULTS)/startup_repeats_k4.txt
+	for g in off on; do \
+	  flag=$$( [ $$g = on ] && echo --cell_grappler || echo --nocell_grappler ); \
+	  $(PY) tools/startup.py $$flag --num_stages=4 --layers=16,64 --micro_batches=4,32 \
+	    --schedules=1f1b --repeats=3 --steps=3 \
+	    --output=$(RESULTS)/startup_repeats_k4_grappler_$$g.json \
+	    > $(RESULTS)/startup_repeats_k4_grappler_$$g.txt || exit 1; done
 	$(PY) tools/startup.py --measure=fprop --compare_unrolled --num_stages=4 --layers=16 \
 	  --micro_batches=4,16,32 --output=$(RESULTS)/startup_fprop.json > $(RESULTS)/startup_fprop.txt
 	$(PY) tools/startup.py --measure=eval --compare_unrolled --num_stages=4 --layers=16 \
