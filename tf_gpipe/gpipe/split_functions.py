@@ -59,7 +59,7 @@ def _prune(wrapped, feeds, fetches):
     if all(op in needed or op.type == 'Placeholder' for op in graph.get_operations()):
         return pruned
     num_fed = len(graph.inputs) - len(graph.captures)
-    return pruned.prune(graph.inputs[:num_fed], list(graph.outputs))
+    return pruned.prune(graph.inputs[:num_fed], pruned.structured_outputs)
 
 
 def _call(function, optimize):
