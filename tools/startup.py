@@ -55,9 +55,9 @@ TWINS = flags.DEFINE_bool(
 )
 CELL_GRAPPLER = flags.DEFINE_bool(
     'cell_grappler',
-    False,
-    "PipelinedLayer.cell_grappler: Grappler on the cells' functions too (the library default "
-    'is off: a shorter first call).',
+    True,
+    "PipelinedLayer.cell_grappler (the library default): Grappler on the cells' functions too; "
+    '--nocell_grappler: a shorter first call, a higher peak memory.',
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',

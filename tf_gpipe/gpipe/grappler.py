@@ -1,9 +1,10 @@
-"""Grappler on the cells' functions: off unless asked for, to start faster.
+"""Grappler on the cells' functions: on by default, off to start faster.
 
 TF runs Grappler, its graph optimizer, on a function's graph when a call first instantiates
 the function, once per device that calls it, one after another along the schedule. At K=4,
 M=32 that is the larger part of the pipeline's first call, and the cells' steady step is no
-faster for it on CPU (docs/engine.md, "Start-up: Grappler on cells"). A call op keeps the
+faster for it on CPU; but without it a cell's peak memory is higher (docs/engine.md, "Start-up:
+Grappler on cells"). A call op keeps the
 options it was created with (its `config_proto` attribute), so a call created inside
 `calls(False)` instantiates its function without Grappler while the user's step around it
 keeps it. Values are the same either way, up to float rounding (Grappler rewrites a graph

@@ -91,7 +91,7 @@ class LossHead:
 class CellRunner:
     """Runs cell `index` of a pipeline on its device, as forward / recompute-backward calls."""
 
-    def __init__(self, cell, device, index, jit_compile=False, head=None, grappler=False):
+    def __init__(self, cell, device, index, jit_compile=False, head=None, grappler=True):
         self.cell = cell
         self.device = device
         self.index = index
@@ -100,7 +100,7 @@ class CellRunner:
         self._split = {}  # input signature -> split_functions.SplitFunctions or None
         self._jit = bool(jit_compile)
         # Whether Grappler optimises the cell's functions when a call instantiates them
-        # (grappler.py): off by default, for a shorter first call.
+        # (grappler.py): off for a shorter first call, at a higher peak memory.
         self.grappler = bool(grappler)
         jit = True if jit_compile else None
         options = dict(jit_compile=jit, experimental_attributes=_NOINLINE, autograph=False)

@@ -88,7 +88,7 @@ _ATTRS = dict(experimental_attributes=_NOINLINE)
 class SplitFunctions:
     """F, B and W of one cell for one input signature (see the module docstring)."""
 
-    def __init__(self, wrapped, parts, optimize=False):
+    def __init__(self, wrapped, parts, optimize=True):
         self._wrapped = wrapped
         self._parts = parts
         self._optimize = optimize

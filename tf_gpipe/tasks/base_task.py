@@ -26,9 +26,9 @@ def PipelineParams():
     )
     p.Define(
         'cell_grappler',
-        False,
+        True,
         "Grappler on the cells' functions too (PipelinedLayer.cell_grappler); off: a shorter "
-        'first step.',
+        'first step, a higher peak memory.',
     )
     p.Define(
         'tick_loop',
