@@ -3,11 +3,10 @@
 TF runs Grappler, its graph optimizer, on a function's graph when a call first instantiates
 the function, once per device that calls it, one after another along the schedule. At K=4,
 M=32 that is the larger part of the pipeline's first call, and the cells' steady step is no
-faster for it on CPU; but without it a cell's peak memory is higher (docs/engine.md, "Start-up:
-Grappler on cells"). A call op keeps the
-options it was created with (its `config_proto` attribute), so a call created inside
-`calls(False)` instantiates its function without Grappler while the user's step around it
-keeps it. Values are the same either way, up to float rounding (Grappler rewrites a graph
+faster for it on CPU; but without it a cell's peak memory is higher (docs/engine.md,
+"Start-up: Grappler on cells"). A call op keeps the options it was created with (its
+`config_proto` attribute), so a call created inside `calls(False)` instantiates its function
+without Grappler while the user's step around it keeps it. Values are the same either way, up to float rounding (Grappler rewrites a graph
 and may reorder its arithmetic).
 
 The option lives in TF's context, so `calls` sets it for the few lines that create a call and
@@ -29,17 +28,25 @@ _NUMERICS = (
 )
 
 
-def _asked_for_numerics():
-    options = tf.config.optimizer.get_experimental_options()
+def _asked_for_numerics(options):
     return any(options.get(k) for k in _NUMERICS)
+
+
+def _left_as_is(optimize):
+    """Whether to create calls with the program's own options: Grappler wanted on the cells,
+    or the program turned it off itself or asked it for mixed precision. Reads TF's options
+    only when Grappler is to be off (they are rebuilt on every read)."""
+    if optimize:
+        return True
+    options = tf.config.optimizer.get_experimental_options()
+    return bool(options.get(_OFF)) or _asked_for_numerics(options)
 
 
 @contextlib.contextmanager
 def calls(optimize):
     """Function calls created (or traced) inside instantiate without Grappler unless
     `optimize`."""
-    already_off = tf.config.optimizer.get_experimental_options().get(_OFF)
-    if optimize or already_off or _asked_for_numerics():
+    if _left_as_is(optimize):
         yield
         return
     tf.config.optimizer.set_experimental_options({_OFF: True})
@@ -52,7 +59,7 @@ def calls(optimize):
 def config_proto(optimize):
     """The `config_proto` attribute of a raw call op made like the ones `calls` creates:
     b'' (TF's defaults) or Grappler off."""
-    if optimize or _asked_for_numerics():
+    if optimize or _asked_for_numerics(tf.config.optimizer.get_experimental_options()):
         return b''
     config = tf.compat.v1.ConfigProto()
     config.graph_options.rewrite_options.disable_meta_optimizer = True
