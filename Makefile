@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint format clean engine-results plan-results results-tables readme-results startup-grid startup-results demo-results
+.PHONY: demo test docs lint format clean engine-results grappler-results plan-results results-tables readme-results startup-grid startup-results demo-results
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,8 +44,9 @@ test: $(STAMP)
 	  if [ $$rc -ne 0 ]; then exit $$rc; fi; \
 	done
 
-# The engine's figures in docs/results.md (about 25 minutes on 2 cores; run on an idle machine):
-# peak memory per schedule, timelines of gpipe / 1f1b / zero_bubble, throughput per schedule.
+# The engine's figures in docs/results.md and docs/engine.md (about 60 minutes on 2 cores; run
+# on an idle machine): peak memory per schedule, without and with Grappler on the cells,
+# timelines of gpipe / 1f1b / zero_bubble, throughput per schedule.
 RESULTS := docs/results
 engine-results: $(STAMP)
 	mkdir -p $(RESULTS)
@@ -57,6 +58,7 @@ engine-results: $(STAMP)
 	  --batch_size=4096 --num_micro_batches=8 --activation=RELU --tick_loop \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble \
 	  --output=$(RESULTS)/peak_memory_tick_loop.json > $(RESULTS)/peak_memory_tick_loop.txt
+	$(MAKE) grappler-results
 	for s in gpipe 1f1b zero_bubble; do \
 	  $(PY) tools/timeline.py --schedule=$$s --recompute=never --num_micro_batches=8 \
 	    --output=docs/timeline_$$s.png --json > $(RESULTS)/timeline_$$s.json || exit 1; done
@@ -64,6 +66,27 @@ engine-results: $(STAMP)
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
 	  --overheads=false --output=$(RESULTS)/schedules.json > $(RESULTS)/schedules.txt
 	$(MAKE) results-tables
+
+# Without and with Grappler on the cells (cell_grappler), the tables in docs/engine.md (about
+# 35 minutes): peak memory in three rounds alternating (the peak memory benchmark and the
+# planner's memory check's three cases), then the schedule benchmark at M=8 each way.
+PLAN_LOCAL := fc:8:1024:1:1:gpipe:never,fc:8:1024:1:4:1f1b:never,transformer:2:32:1:4:gpipe:always
+grappler-results: $(STAMP)
+	mkdir -p $(RESULTS)/peak_memory_grappler $(RESULTS)/plan_check_grappler
+	for r in 1 2 3; do for g in nocell_grappler cell_grappler; do \
+	  TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
+	    --batch_size=4096 --num_micro_batches=8 --activation=RELU \
+	    --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --$$g \
+	    --output=$(RESULTS)/peak_memory_grappler/$${g}_$$r.json > /dev/null || exit 1; \
+	  TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/plan_check.py --local --configs=$(PLAN_LOCAL) \
+	    --$$g --output=$(RESULTS)/plan_check_grappler/$${g}_$$r.json > /dev/null || exit 1; \
+	  done; done
+	mkdir -p $(RESULTS)/schedules_grappler
+	for g in nocell_grappler cell_grappler; do \
+	  $(PY) tools/benchmark.py --families=fc,transformer --micro_batches=8 \
+	    --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --recompute=never --runs=3 \
+	    --overheads=false --$$g --output=$(RESULTS)/schedules_grappler/$$g.json \
+	    > /dev/null || exit 1; done
 
 # The planner's figures in docs/planning.md (about 12 minutes on 2 cores; run on an idle machine):
 # predicted vs measured memory and step time, the paper's tables at their scale, one plan.

@@ -143,3 +143,11 @@ def test_every_cell_call_of_a_step_follows_cell_grappler(schedule, policy):
     assert all(all(offs) for offs in calls.values()), calls
     calls = _cell_calls(schedule, policy, True)
     assert calls and not any(any(offs) for offs in calls.values()), calls
+
+
+def test_cells_run_without_grappler_by_default():
+    """The default, for PipelinedLayer and a task's pipeline: the cells' functions as traced."""
+    from tf_gpipe.tasks import base_task
+
+    assert gpipe.PipelinedLayer.Params().cell_grappler is False
+    assert base_task.BaseTask.Params().pipeline.cell_grappler is False

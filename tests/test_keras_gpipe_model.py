@@ -577,6 +577,7 @@ def test_a_layer_used_twice_stays_one_set_of_weights():
         ('interleaved_1f1b', {'virtual_stages': 2}),
         ('1f1b', {'tick_loop': True}),  # full batches by the tick loop, the last one unrolled
         ('gpipe', {'tick_loop': True}),  # FProp under a tape as two loops, any batch size
+        ('1f1b', {'cell_grappler': True}),  # Grappler on the cells (off by default)
     ],
 )
 def test_every_schedule_trains_like_plain_keras(schedule, options):
@@ -635,6 +636,8 @@ def test_keras_user_findings():
     model called in training mode, validation_split leaving batches M does not divide."""
     with pytest.raises(TypeError, match="unknown argument 'num_micro_batch' \\(did you mean "):
         GPipe(_mlp(), num_micro_batch=4)
+    with pytest.raises(TypeError, match="'cell_graper' \\(did you mean 'cell_grappler'"):
+        GPipe(_mlp(), cell_graper=True)
     strategy = tf.distribute.MirroredStrategy(['/device:CPU:0', '/device:CPU:1'])
     with strategy.scope():
         with pytest.raises(

@@ -357,11 +357,12 @@ def test_bfloat16_fprop():
 
 
 @pytest.mark.parametrize('model', ['fc', 'conv'])
-def test_exact_gradients_without_grappler_on_the_cells(model, references):
-    """cell_grappler=False (the cells' functions run as traced) computes the same."""
+def test_exact_gradients_with_grappler_on_the_cells(model, references):
+    """cell_grappler=True (Grappler rewrites the cells' functions; the other tests run them
+    as traced, the default) computes the same."""
     sub, inputs = MODELS[model]()
     for policy in POLICIES:
-        pipe = _pipe(sub, 2, 4, policy, cell_grappler=False)
+        pipe = _pipe(sub, 2, 4, policy, cell_grappler=True)
         step = tf.function(lambda *x, pipe=pipe: _loss_and_grads(pipe, x))
         _assert_close(step(*inputs), references[model])
 

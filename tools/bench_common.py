@@ -67,6 +67,7 @@ def build(
     partition_by='flops',
     schedule='gpipe',
     virtual_stages=1,
+    cell_grappler=None,
 ):
     """The plain layer sequence on devices[0] (plain=True) or a PipelinedLayer on devices."""
     if plain:
@@ -87,6 +88,7 @@ def build(
             devices=list(devices),
             random_seed=1,
         )
+        .Set(**({} if cell_grappler is None else dict(cell_grappler=cell_grappler)))
         .Instantiate()
     )
 

@@ -60,6 +60,9 @@ PARTITION_BY = flags.DEFINE_enum(
 KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default below).")
 BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
+CELL_GRAPPLER = flags.DEFINE_bool(
+    'cell_grappler', False, "PipelinedLayer.cell_grappler (default: the library's, off)."
+)
 DATA_PARALLEL = flags.DEFINE_bool(
     'data_parallel',
     False,
@@ -113,6 +116,7 @@ def throughput(family, devices, micro_batches, policy, steps):
                 partition_by=PARTITION_BY.value,
                 schedule=schedule,
                 virtual_stages=v,
+                cell_grappler=CELL_GRAPPLER.value,
             )
             steps_fns.append(train_step(model, x))
         for (k, schedule), t in zip(configs, median_times(steps_fns, steps)):
@@ -139,7 +143,8 @@ def overheads(family, device, m, steps):
     for policy in ('never', 'except_last', 'always'):
         for mm in (1, m):
             configs.append((f'K=1 M={mm} {policy}', dict(num_micro_batches=mm, recompute=policy)))
-    fns = [train_step(build(sub, shape, [device], **kw), x) for _, kw in configs]
+    grappler = dict(cell_grappler=CELL_GRAPPLER.value)
+    fns = [train_step(build(sub, shape, [device], **kw, **grappler), x) for _, kw in configs]
     times = median_times(fns, steps)
     return [dict(name=n, seconds=t, vs_plain=t / times[0]) for (n, _), t in zip(configs, times)]
 
@@ -173,6 +178,7 @@ def _measure_isolated(family, micro, with_overheads):
             '--json',
         ]
         flags_ = (STAGES, POLICY, VIRTUAL, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH)
+        flags_ += (CELL_GRAPPLER,)
         for flag in flags_:
             args.append(f'--{flag.name}={flag.value}')
         args.append(f'--schedules={",".join(SCHEDULES.value)}')
@@ -241,6 +247,7 @@ def measure(family):
         schedules=list(SCHEDULES.value),
         virtual_stages=VIRTUAL.value,
         partition_by=PARTITION_BY.value,
+        cell_grappler=CELL_GRAPPLER.value,
         baseline=base
         and dict(
             schedule=base['schedule'],

@@ -39,6 +39,11 @@ JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop', False, 'PipelinedLayer.tick_loop for the ComputeGradients rows (the tick loop).'
 )
+CELL_GRAPPLER = flags.DEFINE_bool(
+    'cell_grappler',
+    gpipe.PipelinedLayer.Params().cell_grappler,
+    "PipelinedLayer.cell_grappler (Grappler on the cells' functions); default: the library's.",
+)
 
 
 def _step_fn(model, x):
@@ -131,6 +136,7 @@ def measure():
                     name='m', sub=sub, partition_by='uniform', num_micro_batches=m, recompute=policy
                 )
                 .Set(schedule=schedule or 'gpipe', virtual_stages=v, tick_loop=TICK_LOOP.value)
+                .Set(cell_grappler=CELL_GRAPPLER.value)
                 .Instantiate()
             )
             # The validator's high-water mark of device 0, in micro-batches of the whole stack
@@ -168,7 +174,9 @@ def measure():
 def main(_):
     from bench_common import run_metadata
 
-    result = dict(measure(), tick_loop=TICK_LOOP.value, **run_metadata())
+    result = dict(
+        measure(), tick_loop=TICK_LOOP.value, cell_grappler=CELL_GRAPPLER.value, **run_metadata()
+    )
     if OUTPUT.value:
         from bench_common import write_json
 

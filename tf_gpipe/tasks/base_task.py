@@ -26,9 +26,9 @@ def PipelineParams():
     )
     p.Define(
         'cell_grappler',
-        True,
-        "Grappler on the cells' functions too (PipelinedLayer.cell_grappler); off: a shorter "
-        'first step, a higher peak memory.',
+        False,
+        "Grappler on the cells' functions too (PipelinedLayer.cell_grappler); off (the "
+        'default): a shorter first step.',
     )
     p.Define(
         'tick_loop',
