@@ -65,35 +65,46 @@ def _ab_command(results):
     return '; '.join(f'`{c}`' for c in commands) + AB_NOTE
 
 
+def _grappler_rounds(results):
+    """(rounds without, rounds with Grappler on the cells, how they were written) of files
+    that say `cell_grappler`."""
+    off = [r for r in results if r.get('cell_grappler') is False]
+    on = [r for r in results if r.get('cell_grappler') is not False]
+    first = results[0]
+    written = (
+        f'written {min(r.get("date", "") for r in results)} to '
+        f'{max(r.get("date", "") for r in results)} on {first.get("machine", "")}, TF '
+        f'{first.get("tf_version", "")} ({_ab_command(results)})'
+    )
+    return off, on, written
+
+
+def _median_span(values):
+    """median, least, most."""
+    import statistics
+
+    return statistics.median(values), min(values), max(values)
+
+
 def memory_grappler_table(results):
     """Rounds of tools/peak_memory.py with and without Grappler on the cells: per row, the
     median [least–most] of each, and the ratio of the medians."""
-    import statistics
-
-    groups = {}
-    for r in results:
-        groups.setdefault(bool(r.get('cell_grappler', True)), []).append(r)
-    on, off = groups.get(True, []), groups.get(False, [])
+    off, on, written = _grappler_rounds(results)
     first = results[0]
     lines = [
         f'{first["layers"]} FC x {first["width"]}, batch {first["batch_size"]}, K=1, peak MiB '
         f'above the resident weights: {len(off)} rounds with the cells as traced (the default) '
-        f'and {len(on)} with Grappler on the cells, alternating, written '
-        f'{min(r.get("date", "") for r in results)} to {max(r.get("date", "") for r in results)} '
-        f'on {first.get("machine", "")}, TF {first.get("tf_version", "")} '
-        f'({_ab_command(results)}):',
+        f'and {len(on)} with Grappler on the cells, alternating, {written}:',
         '',
         '| setting | M | recompute | without Grappler: median | [min–max] | with: median '
         '| [min–max] | without / with |',
         '|---|---|---|---|---|---|---|---|',
     ]
 
-    def stats(runs, i):
-        mib = [r['rows'][i]['peak_bytes'] / 2**20 for r in runs]
-        return statistics.median(mib), min(mib), max(mib)
-
     for i, row in enumerate(first['rows']):
-        a, b = stats(off, i), stats(on, i)
+        a, b = (
+            _median_span([r['rows'][i]['peak_bytes'] / 2**20 for r in runs]) for runs in (off, on)
+        )
         lines.append(
             f'| {row["setting"]} | {row["num_micro_batches"]} | {row["recompute"]} | '
             f'{a[0]:.1f} | [{a[1]:.1f}–{a[2]:.1f}] | {b[0]:.1f} | [{b[1]:.1f}–{b[2]:.1f}] | '
@@ -325,19 +336,12 @@ def _plan_check_summary(result):
 def plan_check_rounds_table(results):
     """Rounds of `plan_check.py --local` without and with Grappler on the cells: per
     configuration, the predicted peak and each setting's measured median [least–most]."""
-    import statistics
-
+    off, on, written = _grappler_rounds(results)
     first = results[0]
-    groups = {}
-    for r in results:
-        groups.setdefault(bool(r.get('cell_grappler')), []).append(r)
-    on, off = groups.get(True, []), groups.get(False, [])
     lines = [
         f'{len(off)} rounds without Grappler on the cells (the default) and {len(on)} with, '
         f'alternating, each a fresh process per configuration whose peak is the highest of its '
-        f'steps; written {min(r.get("date", "") for r in results)} to '
-        f'{max(r.get("date", "") for r in results)} on {first.get("machine", "")}, TF '
-        f'{first.get("tf_version", "")} ({_ab_command(results)}):',
+        f'steps; {written}:',
         '',
         '| model | K | M | schedule | recompute | peak MiB predicted | without Grappler: '
         'median | [min–max] | / predicted | with: median | [min–max] | / predicted |',
@@ -348,11 +352,10 @@ def plan_check_rounds_table(results):
         predicted = row['predicted']['peak_bytes'][0] / 2**20
         cells = []
         for runs in (off, on):
-            mib = [r['rows'][i]['measured_peak_bytes'][0] / 2**20 for r in runs]
-            median = statistics.median(mib)
-            cells.append(
-                f'{median:.1f} | [{min(mib):.1f}–{max(mib):.1f}] | {median / predicted:.2f}'
+            median, least, most = _median_span(
+                [r['rows'][i]['measured_peak_bytes'][0] / 2**20 for r in runs]
             )
+            cells.append(f'{median:.1f} | [{least:.1f}–{most:.1f}] | {median / predicted:.2f}')
         lines.append(
             f'| {family} {knob}, batch {batch} | {k} | {m} | {schedule} | {recompute} | '
             f'{predicted:.1f} | {cells[0]} | {cells[1]} |'
