@@ -1,6 +1,7 @@
 """The private TF / Keras APIs docs/private-apis.md lists: each import and its behaviour, so an upgrade
 that moves or changes one fails here, by name, rather than somewhere deep in a pipeline."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -128,6 +129,43 @@ def test_noinline_function_attribute_is_kept():
     graph = step.get_concrete_function(tf.TensorSpec([2])).graph
     calls = [op for op in graph.get_operations() if op.type.endswith('PartitionedCall')]
     assert len(calls) == 2 and float(tf.reduce_sum(step(tf.ones([2])))) == 12.0
+
+
+def test_call_shape_inference_node_attribute_is_honoured():
+    """Backward calls and gradient sums (call_op.py) carry the node attribute
+    `_disable_call_shape_inference`, so that adding each call to a step's graph does not run
+    shape inference over the called cell's whole body. TF honours it: the call's outputs have
+    the traced function's shapes, not the ones inference through the body would find."""
+
+    @tf.function(autograph=False)
+    def f(x):
+        return x * 2.0
+
+    concrete = f.get_concrete_function(tf.TensorSpec([None, 3]))
+    shapes = {}
+
+    @tf.function(autograph=False)
+    def step(x):
+        graph = tf.compat.v1.get_default_graph()
+        concrete.add_to_graph(graph)
+        for skip in (False, True):
+            attrs = {
+                'f': tf.compat.v1.AttrValue(func=tf.compat.v1.NameAttrList(name=concrete.name)),
+                'Tin': tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(type=[1])),
+                'Tout': tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(type=[1])),
+            }
+            if skip:
+                attrs['_disable_call_shape_inference'] = tf.compat.v1.AttrValue(b=True)
+            op = graph.create_op('StatefulPartitionedCall', [x], [tf.float32], attrs=attrs)
+            shapes[skip] = op.outputs[0].shape
+        return op.outputs[0]
+
+    np.testing.assert_array_equal(step(tf.ones([2, 3])), 2 * np.ones([2, 3]))
+    assert shapes[False].as_list() == [2, 3], 'TF no longer infers shapes through a call'
+    assert shapes[True].rank is None, (
+        'TF no longer honours _disable_call_shape_inference: backward calls would be '
+        'shape-inferred through the cell again (slower traces; call_op.py)'
+    )
 
 
 def test_op_type_names_and_the_captured_variable_handle():

@@ -11,6 +11,7 @@ dense sum, as in TF.
 
 import tensorflow as tf
 
+from tf_gpipe.gpipe import call_op
 from tf_gpipe.runtime import distribute
 
 
@@ -70,7 +71,7 @@ class GradientSums:
                 pending.setdefault(variable.device, []).append((ref, prev, grad))
         for device, items in pending.items():
             with distribute.on(device):
-                sums = _accumulate([p for _, p, _ in items], [g for _, _, g in items])
+                sums = _add([p for _, p, _ in items], [g for _, _, g in items])
             for (ref, _, _), total in zip(items, sums):
                 self._dense[ref] = total
             totals += sums
@@ -99,6 +100,15 @@ class GradientSums:
 def _accumulate(previous, grads):
     """[p + g]: one micro-batch's contributions added to a device's running sums, as one call."""
     return [p + tf.cast(g, p.dtype) for p, g in zip(previous, grads)]
+
+
+def _add(previous, grads):
+    """`_accumulate`'s sums; in a graph, a call without shape inference through it
+    (call_op.py: the sums are gradients, which no tape differentiates)."""
+    if tf.executing_eagerly():
+        return _accumulate(previous, grads)
+    concrete = _accumulate.get_concrete_function(previous, grads)
+    return call_op.call(concrete, list(previous) + list(grads) + concrete.captured_inputs)
 
 
 def _concat(a, b):

@@ -31,7 +31,7 @@ import contextlib
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import grappler, split_functions, twins, weight_gradients
+from tf_gpipe.gpipe import call_op, grappler, split_functions, twins, weight_gradients
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -114,6 +114,7 @@ class CellRunner:
         self._twin_maps = {}  # call signature -> capture map, or None where not a twin
         self._shared_backward = None  # on the group's first runner
         self._forward_keys = set()  # signatures its forward was called or traced with
+        self._trampolines = {}  # its backward calls' trampolines (call_op.py)
 
     def ShareBackward(self, first, variable_of):
         """Makes this runner a twin candidate of `first` (an earlier cell of the same layer
@@ -128,6 +129,10 @@ class CellRunner:
 
     def _Function(self, python_function, **options):
         return grappler.Function(tf.function(python_function, **options), self.grappler)
+
+    def _CallOptions(self):
+        """The `config_proto` of a call op this runner makes itself (grappler.py)."""
+        return grappler.config_proto(self.grappler)
 
     def WithHead(self, head):
         """A runner of the same cell whose function ends with the loss `head`."""
@@ -393,11 +398,23 @@ class CellRunner:
         if shared is not None:
             concrete, captures, variables = shared
             with distribute.on(self.device):
-                out = twins.call(concrete, args, captures, grappler.config_proto(self.grappler))
+                out = call_op.call_structured(
+                    concrete, args, captures, self._CallOptions(), self._trampolines
+                )
             if out is not None:
                 d_x, d_v = out
                 return ([] if drop_x else d_x), list(zip(variables, d_v))
-        d_x, d_v = self._backward(inputs, targets, output_grads, step, micro_batch, want)
+        out = None
+        if not (self._jit or tf.executing_eagerly()):
+            # Through a trampoline, without shape inference (call_op.py): its outputs are
+            # gradients, which no tape differentiates.
+            concrete = self._backward.get_concrete_function(*args, want)
+            out = call_op.call_structured(
+                concrete, args, concrete.captured_inputs, self._CallOptions(), self._trampolines
+            )
+        if out is None:
+            out = self._backward(inputs, targets, output_grads, step, micro_batch, want)
+        d_x, d_v = out
         # A retrace may have found more variables; an older trace returns a prefix of the list.
         return d_x, list(zip(self._read, d_v))
 

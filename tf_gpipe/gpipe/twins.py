@@ -81,27 +81,3 @@ def capture_map(first, twin, variable_of):
     if not all(_like(x, y, variable_of) for x, y in zip(first_values, twin_values)):
         return None
     return {id(x): y for x, y in zip(first_values, twin_values)}
-
-
-def call(concrete, args, captures, config_proto=b''):
-    """One call of `concrete` (traced with the args' structure) with `captures` in place of
-    its own captured values: its structured outputs. None when the args do not flatten to
-    its inputs (then the caller traces its own). `config_proto`: the call op's options."""
-    flat = [t for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, tf.Tensor)]
-    params = concrete.inputs[: len(concrete.inputs) - len(captures)]
-    if len(flat) != len(params) or any(
-        t.dtype != p.dtype or not p.shape.is_compatible_with(t.shape) for t, p in zip(flat, params)
-    ):
-        return None
-    outputs = tf.raw_ops.StatefulPartitionedCall(
-        args=flat + list(captures),
-        Tout=[t.dtype for t in concrete.outputs],
-        f=concrete,
-        config_proto=config_proto,
-    )
-    for out, traced in zip(outputs, concrete.outputs):
-        out.set_shape(traced.shape)
-    leaves = tf.nest.flatten(concrete.structured_outputs, expand_composites=True)
-    it = iter(outputs)
-    rebuilt = [None if leaf is None else next(it) for leaf in leaves]
-    return tf.nest.pack_sequence_as(concrete.structured_outputs, rebuilt, expand_composites=True)

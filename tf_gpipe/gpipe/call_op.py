@@ -1,0 +1,100 @@
+"""Calls of a cell's backward that TF builds once, not once per micro-batch.
+
+The unrolled executor makes a call op per action, 2KM at K cells and M micro-batches, and TF
+works through the called function's whole body at each call op, twice where once per
+function would do:
+
+- At trace time, adding a call op runs shape inference over the called function's body
+  (constant evaluation included). The shapes are known already: the function was traced for
+  these inputs. A call made here carries TF's node attribute `_disable_call_shape_inference`
+  (what TF's own v1 `Defun` sets on its calls) and takes its output shapes from the trace.
+- At the first call, Grappler's function optimizer and the lowering of function calls build
+  the body of every call op's function to see whether to inline it (it is `_noinline`, so
+  they do not). With `trampolines`, the step calls a trampoline, a function whose body is one
+  call of the cell's function: they build the trampoline's one node per call op, and the
+  cell's body is built when the trampoline is instantiated, once per device.
+
+Only for calls no tape needs: a call made here is not recorded by a `tf.GradientTape` and
+does not tell one which variables it reads, so the executor uses it for the recompute-backward
+calls (their outputs are gradients) and the gradient sums, never for a forward a tape may
+differentiate. Graph mode only (eagerly a call infers no shapes and has no passes).
+"""
+
+import tensorflow as tf
+
+_NO_SHAPE_INFERENCE = '_disable_call_shape_inference'
+
+
+def _types(tensors):
+    return tf.compat.v1.AttrValue(
+        list=tf.compat.v1.AttrValue.ListValue(type=[t.dtype.as_datatype_enum for t in tensors])
+    )
+
+
+def call(concrete, args, config_proto=b'', trampolines=None):
+    """The outputs of one call of `concrete` (a traced function) on the flat tensors `args`
+    (its inputs, captures included), shaped as traced. `config_proto`: the call op's options
+    (grappler.config_proto). With `trampolines` (a dict the caller keeps), the call goes
+    through `concrete`'s trampoline (below), made once and kept there."""
+    if trampolines is not None:
+        concrete = _trampoline(concrete, args, config_proto, trampolines)
+    return _raw(concrete, args, config_proto)
+
+
+def _trampoline(concrete, args, config_proto, cache):
+    """A function whose body is one call of `concrete`, traced once per function, options and
+    argument signature (not per call site). At the first call of a step, each call op makes
+    TF's passes over the step (Grappler's function optimizer, the lowering of function calls)
+    build the called function's body to see whether to inline it (it is `_noinline`); through
+    a trampoline, they build the trampoline's one node, and a cell's backward is built when
+    the trampoline is instantiated, once per device, instead of once per micro-batch."""
+    key = (concrete.name, config_proto, tuple((t.dtype, tuple(t.shape)) for t in args))
+    if key not in cache:
+
+        def trampoline(*flat):
+            return _raw(concrete, list(flat), config_proto)
+
+        fn = tf.function(
+            trampoline,
+            input_signature=[tf.TensorSpec(t.shape, t.dtype) for t in args],
+            autograph=False,
+            experimental_attributes={'_noinline': True},
+        )
+        cache[key] = fn.get_concrete_function()
+    return cache[key]
+
+
+def _raw(concrete, args, config_proto):
+    graph = tf.compat.v1.get_default_graph()
+    concrete.add_to_graph(graph)
+    outputs = concrete.outputs
+    attrs = {
+        'f': tf.compat.v1.AttrValue(func=tf.compat.v1.NameAttrList(name=concrete.name)),
+        'Tin': _types(args),
+        'Tout': _types(outputs),
+        'config_proto': tf.compat.v1.AttrValue(s=config_proto),
+        _NO_SHAPE_INFERENCE: tf.compat.v1.AttrValue(b=True),
+    }
+    op = graph.create_op(
+        'StatefulPartitionedCall', list(args), [t.dtype for t in outputs], attrs=attrs
+    )
+    for out, traced in zip(op.outputs, outputs):
+        out.set_shape(traced.shape)
+    return list(op.outputs)
+
+
+def call_structured(concrete, args, captures, config_proto=b'', trampolines=None):
+    """One call of `concrete` (traced with the args' structure) with `captures` in place of
+    its captured values: its structured outputs. None when the args' tensors do not match its
+    inputs (then the caller calls its tf.function, which traces what it needs)."""
+    flat = [t for t in tf.nest.flatten(args, expand_composites=True) if isinstance(t, tf.Tensor)]
+    params = concrete.inputs[: len(concrete.inputs) - len(captures)]
+    if len(flat) != len(params) or any(
+        t.dtype != p.dtype or not p.shape.is_compatible_with(t.shape) for t, p in zip(flat, params)
+    ):
+        return None
+    outputs = call(concrete, flat + list(captures), config_proto, trampolines)
+    leaves = tf.nest.flatten(concrete.structured_outputs, expand_composites=True)
+    it = iter(outputs)
+    rebuilt = [None if leaf is None else next(it) for leaf in leaves]
+    return tf.nest.pack_sequence_as(concrete.structured_outputs, rebuilt, expand_composites=True)
