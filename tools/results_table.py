@@ -439,6 +439,60 @@ def table(paths):
     ] + lines
 
 
+def startup_ab_table(results):
+    """Rounds of tools/startup.py of two versions (files whose `engine` labels differ), run
+    alternately: per (L, K, M), each version's trace, first call, start-up and steady step,
+    the median [least–most] over its rounds, and the start-up's ratio of the medians."""
+    labels = list(dict.fromkeys(r['engine'] for r in results))
+    first = results[0]
+    dates = sorted(r.get('date', '') for r in results)
+    commands = '; '.join(f'`{r["command"]}`' for r in results if r.get('command'))
+    lines = [
+        f'{first["model"]}, recompute={first["recompute"]}; rounds of each version in turn, '
+        f'each (K, L, M) in a fresh process: the median [least–most] over the rounds; written '
+        f'{dates[0]} to {dates[-1]} on {first.get("machine", "")}, TF '
+        f'{first.get("tf_version", "")} ({commands}):',
+        '',
+        '| version | L | K | M | schedule | rounds | trace s | first call s | start-up s '
+        "| steady ms | start-up / the first version's |",
+        '|---|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    keys = sorted(
+        {
+            (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule'])
+            for result in results
+            for r in result['rows']
+            if r['kind'] != 'plain'
+        }
+    )
+
+    def cell(values, scale=1.0, fmt='.1f'):
+        median, least, most = _median_span([v * scale for v in values])
+        return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]', median
+
+    for key in keys:
+        base = None
+        for label in labels:
+            rows = [
+                r
+                for result in results
+                if result['engine'] == label
+                for r in result['rows']
+                if r['kind'] != 'plain'
+                and (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule']) == key
+            ]
+            trace, _ = cell([r['trace_s'] for r in rows])
+            first_call, _ = cell([r['first_call_s'] for r in rows])
+            startup, median = cell([r['startup_s'] for r in rows])
+            steady, _ = cell([r['steady_s'] for r in rows], 1e3, '.0f')
+            base = median if base is None else base
+            lines.append(
+                f'| {label} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(rows)} | {trace} '
+                f'| {first_call} | {startup} | {steady} | {median / base:.2f} |'
+            )
+    return lines
+
+
 def startup_table(result):
     """tools/startup.py: start-up (trace + first call) per M against the plain sequence's."""
     summary = result['summary']
@@ -616,6 +670,8 @@ def _table(paths):
     if isinstance(first, dict) and 'demos' in first:
         return demos_table(first)
     if isinstance(first, dict) and first.get('startup'):
+        if len({r['engine'] for r in loaded}) > 1:  # two versions, rounds in turn
+            return startup_ab_table(loaded)
         # Several runs of one grid (e.g. one per L): one table over their summaries.
         return startup_table(dict(first, summary=[s for r in loaded for s in r['summary']]))
     if isinstance(first, dict) and 'kill_log' in first:
