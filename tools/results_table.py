@@ -457,30 +457,21 @@ def startup_ab_table(results):
         "| steady ms | start-up / the first version's |",
         '|---|---|---|---|---|---|---|---|---|---|---|',
     ]
-    keys = sorted(
-        {
-            (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule'])
-            for result in results
-            for r in result['rows']
-            if r['kind'] != 'plain'
-        }
-    )
+    groups = {}  # (L, K, M, schedule) -> {label: the pipeline's rows over the rounds}
+    for result in results:
+        for r in result['rows']:
+            if r['kind'] != 'plain':
+                key = (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule'])
+                groups.setdefault(key, {}).setdefault(result['engine'], []).append(r)
 
     def cell(values, scale=1.0, fmt='.1f'):
         median, least, most = _median_span([v * scale for v in values])
         return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]', median
 
-    for key in keys:
+    for key in sorted(groups):
         base = None
         for label in labels:
-            rows = [
-                r
-                for result in results
-                if result['engine'] == label
-                for r in result['rows']
-                if r['kind'] != 'plain'
-                and (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule']) == key
-            ]
+            rows = groups[key].get(label, [])
             trace, _ = cell([r['trace_s'] for r in rows])
             first_call, _ = cell([r['first_call_s'] for r in rows])
             startup, median = cell([r['startup_s'] for r in rows])
