@@ -132,6 +132,17 @@ def test_exact_gradients_every_k_m_policy(model, k, m, references):
         _assert_close(_loss_and_grads(pipe, inputs), references[model])
 
 
+@pytest.mark.parametrize('policy', POLICIES)
+def test_fprop_under_a_tape_after_compute_gradients_is_exact(policy, references):
+    """Eager FProp under a tape once ComputeGradients has traced the cells: every variable
+    gets its gradient (tf.custom_gradient sees only variable reads a tape records, and the
+    cells' forwards run untaped; 'always' gave the first cell's variables none)."""
+    sub, inputs = MODELS['fc']()
+    pipe = _pipe(sub, 2, 4, policy)
+    pipe.ComputeGradients(inputs[0], None, lambda y, t: tf.reduce_sum(y))
+    _assert_close(_loss_and_grads(pipe, inputs), references['fc'])
+
+
 @pytest.mark.parametrize(
     'model,k,m', [('fc', 2, 4), ('conv', 2, 4), ('transformer', 2, 4), ('fc', 4, 8)]
 )

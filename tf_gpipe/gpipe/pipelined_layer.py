@@ -383,6 +383,7 @@ class PipelinedLayer(base_layer.BaseLayer):
 
         @tf.custom_gradient
         def pipeline(*flat):
+            self._RecordReads()
             shards = self._Shards(tf.nest.pack_sequence_as(inputs, list(flat)), first=True)
             runs, outs = [], []
             for r, micro in zip(self._LocalReplicas(), shards):
@@ -424,6 +425,23 @@ class PipelinedLayer(base_layer.BaseLayer):
         with distribute.on(self._Row()[-1]):
             flat_out = pipeline(*flat_inputs)
         return _Unpack(tf.nest.pack_sequence_as(out_structure[0], list(flat_out)))
+
+    def _RecordReads(self):
+        """Reads every variable the cells read, where a tape records it.
+
+        tf.custom_gradient hands its grad function the variables whose reads it saw, but the
+        cells' forward calls run untaped (stop_recording): it saw only those of a cell traced
+        during this call or a kept micro-batch. After a ComputeGradients had traced the cells,
+        FProp under a tape with 'always' gave the first cell's variables no gradient at all
+        (tests/test_pipelined_layer.py)."""
+        seen = set()
+        cells_read = [v for vs in self._replica_variables for v in vs]
+        cells_read += [v for runners in self._runners for r in runners for v in r.read_variables]
+        for v in cells_read:
+            if v.ref() not in seen:
+                seen.add(v.ref())
+                with distribute.on(v.device):
+                    v.value()
 
     def _Order(self, sched):
         if sched not in self._cache.orders:
