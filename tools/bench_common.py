@@ -57,6 +57,17 @@ def batch_input(input_shape, batch, device):
         return tf.random.stateless_normal((batch,) + tuple(input_shape), [1, 2])
 
 
+def library_default(name, value):
+    """A tool's flag for PipelinedLayer param `name`: its value, or (None, not given) the
+    library's default, so that a tool measures what a user gets when the default changes."""
+    return gpipe.PipelinedLayer.Params().Get(name) if value is None else value
+
+
+def given(*flags_):
+    """`--name=value` of each flag given a value (None: the library's default, left out)."""
+    return [f'--{f.name}={f.value}' for f in flags_ if f.value is not None]
+
+
 def build(
     sub,
     input_shape,

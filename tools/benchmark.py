@@ -61,7 +61,7 @@ KNOB = flags.DEFINE_integer('knob', 0, "Model size knob (0: the family's default
 BATCH = flags.DEFINE_integer('batch_size', 0, "Examples per step (0: the family's default).")
 JSON = flags.DEFINE_bool('json', False, 'Print JSON.')
 CELL_GRAPPLER = flags.DEFINE_bool(
-    'cell_grappler', False, "PipelinedLayer.cell_grappler (default: the library's, off)."
+    'cell_grappler', None, "PipelinedLayer.cell_grappler (default: the library's)."
 )
 DATA_PARALLEL = flags.DEFINE_bool(
     'data_parallel',
@@ -166,6 +166,8 @@ def _measure_here(family, micro, with_overheads):
 
 def _measure_isolated(family, micro, with_overheads):
     """As _measure_here, each M (and the overhead rows) in a fresh client with fresh workers."""
+    from bench_common import given
+
     rows, over = [], []
     parts = [([m], False) for m in micro for _ in range(RUNS.value)]
     parts += [([], True)] if with_overheads else []
@@ -179,8 +181,7 @@ def _measure_isolated(family, micro, with_overheads):
         ]
         flags_ = (STAGES, POLICY, VIRTUAL, OVERHEAD_M, STEPS, PARTITION_BY, KNOB, BATCH)
         flags_ += (CELL_GRAPPLER,)
-        for flag in flags_:
-            args.append(f'--{flag.name}={flag.value}')
+        args += given(*flags_)
         args.append(f'--schedules={",".join(SCHEDULES.value)}')
         run = subprocess.run(
             [sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True
@@ -228,6 +229,8 @@ def measure(family):
             )
             row['efficiency'] = row['speedup'] / row['bubble_bound']
         rows.append(row)
+    from bench_common import library_default
+
     by = {(r['schedule'], r['num_stages'], r['num_micro_batches']): r for r in rows}
     # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
     first = SCHEDULES.value[0]
@@ -247,7 +250,7 @@ def measure(family):
         schedules=list(SCHEDULES.value),
         virtual_stages=VIRTUAL.value,
         partition_by=PARTITION_BY.value,
-        cell_grappler=CELL_GRAPPLER.value,
+        cell_grappler=library_default('cell_grappler', CELL_GRAPPLER.value),
         baseline=base
         and dict(
             schedule=base['schedule'],

@@ -42,7 +42,7 @@ LOCAL = flags.DEFINE_bool('local', False, 'K=1 in this process, memory only (no 
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
 CELL_GRAPPLER = flags.DEFINE_bool(
-    'cell_grappler', False, "PipelinedLayer.cell_grappler (default: the library's, off)."
+    'cell_grappler', None, "PipelinedLayer.cell_grappler (default: the library's)."
 )
 REPREDICT = flags.DEFINE_string(
     'repredict', None, 'Recompute the predictions of this result file from its measurements.'
@@ -188,12 +188,14 @@ def _prediction(p):
 
 
 def _in_child(args):
+    from bench_common import given
+
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
         *args,
         f'--steps={STEPS.value}',
-        f'--cell_grappler={CELL_GRAPPLER.value}',
+        *given(CELL_GRAPPLER),
     ]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='3')
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
@@ -204,23 +206,22 @@ def _in_child(args):
 
 def measure_all():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_common import run_metadata
+    from bench_common import library_default, run_metadata
 
+    grappler = library_default('cell_grappler', CELL_GRAPPLER.value)
     rows = []
     if LOCAL.value:  # each in a fresh process too: an allocator nothing else has used
         for config in CONFIGS.value:
             row = dict(config=config, **_in_child([f'--child={config}', '--local']))
             row['predicted'] = _prediction(_predict(config, None, (float('inf'), 0.0)))
             rows.append(row)
-        return dict(rows=rows, local=True, cell_grappler=CELL_GRAPPLER.value, **run_metadata())
+        return dict(rows=rows, local=True, cell_grappler=grappler, **run_metadata())
     link = _in_child(['--child=link'])
     link_args = f'--link={link["link_bytes_per_second"]},{link["link_latency_seconds"]}'
     for config in CONFIGS.value:
         print(f'  {config}', file=sys.stderr, flush=True)
         rows.append(dict(config=config, **_in_child([f'--child={config}', link_args])))
-    return dict(
-        rows=rows, local=False, link=link, cell_grappler=CELL_GRAPPLER.value, **run_metadata()
-    )
+    return dict(rows=rows, local=False, link=link, cell_grappler=grappler, **run_metadata())
 
 
 def main(_):

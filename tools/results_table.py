@@ -47,8 +47,7 @@ def memory_table(result):
     return lines
 
 
-# How a table of rounds with and without Grappler on the cells names its commands (it says
-# where and how it was measured itself).
+# How a table of rounds with and without Grappler on the cells names its commands.
 AB_NOTE = ', with `--nocell_grappler` or `--cell_grappler`'
 
 
@@ -424,7 +423,10 @@ def table(paths):
         meta = loaded[0] if isinstance(loaded, list) and loaded else loaded
         if isinstance(meta, dict) and meta.get('command'):
             metas.append(meta)
-    if not metas or metas[0]['command'] in '\n'.join(lines) or AB_NOTE in '\n'.join(lines):
+    text = '\n'.join(lines)
+    # A table that already says when it was measured (the two-version and Grappler tables,
+    # whose commands differ by a flag) says where and how too.
+    if not metas or metas[0]['command'] in text or any(m.get('date', '\0') in text for m in metas):
         return lines
     first = metas[0]
     if len(metas) == 1 or not first.get('startup'):  # one file's table says one command

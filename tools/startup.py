@@ -49,14 +49,14 @@ TICK_LOOP = flags.DEFINE_bool(
 )
 TWINS = flags.DEFINE_bool(
     'twin_cells',
-    True,
-    'PipelinedLayer.twin_cells (the library default): cells of the same layers trace their '
-    'backward once; --notwin_cells: every cell traces its own.',
+    None,
+    "PipelinedLayer.twin_cells (default: the library's): --twin_cells: cells of the same "
+    'layers trace their backward once; --notwin_cells: every cell traces its own.',
 )
 CELL_GRAPPLER = flags.DEFINE_bool(
     'cell_grappler',
-    False,
-    "PipelinedLayer.cell_grappler (default: the library's, off): --cell_grappler runs Grappler "
+    None,
+    "PipelinedLayer.cell_grappler (default: the library's): --cell_grappler runs Grappler "
     "on the cells' functions too, a longer first call.",
 )
 COMPARE = flags.DEFINE_bool(
@@ -225,10 +225,9 @@ def _measure_all(k, num_layers, m, devices):
                 virtual_stages=v,
                 tick_loop=loop,
                 eval_loop=loop,
-                twin_cells=TWINS.value,
-                cell_grappler=CELL_GRAPPLER.value,
                 devices=devices,
             )
+            .Set(**{f.name: f.value for f in (TWINS, CELL_GRAPPLER) if f.value is not None})
             .Instantiate()
         )
 
@@ -373,8 +372,7 @@ def main(argv):
                     f'--schedules={schedule}',
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
-                    f'--twin_cells={TWINS.value}',
-                    f'--cell_grappler={CELL_GRAPPLER.value}',
+                    *bench_common.given(TWINS, CELL_GRAPPLER),
                     f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
                     f'--batch_size={BATCH.value}',
@@ -418,8 +416,8 @@ def main(argv):
             + (', each stage on a single-core TF worker process' if WORKERS.value else '')
         ),
         recompute=POLICY.value,
-        twin_cells=TWINS.value,
-        cell_grappler=CELL_GRAPPLER.value,
+        twin_cells=bench_common.library_default('twin_cells', TWINS.value),
+        cell_grappler=bench_common.library_default('cell_grappler', CELL_GRAPPLER.value),
         measured=MEASURE.value,
         rows=rows,
         summary=summarise(rows),
