@@ -21,7 +21,11 @@ class TransformerLmTiny(base_model_params.SingleTaskModelParams):
             name='lm', vocab_size=64, model_dim=64, num_layers=4, max_seq_len=32, random_seed=1
         )
         p.layer_tpl.Set(num_heads=4, hidden_dim=256, dropout_prob=0.0)
-        p.pipeline.Set(num_partitions=4, num_micro_batches=8, recompute='except_last')
+        # 1F1B: fill-drain's bubble, at most K micro-batches' boundaries stored, and the
+        # last cell's F and B one call each (no backward derived per cell at the first step).
+        p.pipeline.Set(
+            num_partitions=4, num_micro_batches=8, recompute='except_last', schedule='1f1b'
+        )
         p.train.learner.Set(
             optimizer='adam',
             learning_rate=3e-3,

@@ -27,7 +27,9 @@ class TransformerNmtTiny(base_model_params.SingleTaskModelParams):
             random_seed=1,
         )
         p.layer_tpl.Set(num_heads=4, hidden_dim=128)
-        p.pipeline.Set(num_partitions=4, num_micro_batches=4, recompute='except_last')
+        p.pipeline.Set(
+            num_partitions=4, num_micro_batches=4, recompute='except_last', schedule='1f1b'
+        )
         p.train.learner.Set(
             optimizer='adam',
             learning_rate=3e-3,
