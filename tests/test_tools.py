@@ -299,7 +299,7 @@ def test_demo_results_measures_both_demos(tmp_path):
         fresh = r['first_step_fresh_s']  # make demo's first step, in a new trainer process
         assert fresh['runs'] == 1 and 0 < fresh['min'] == fresh['median'] == fresh['max'], fresh
     table = _run(['tools/results_table.py', str(out)])
-    assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | gpipe | 4 |' in table
+    assert '| mt.synthetic.TransformerNmtTiny | 4 | 4 | 1f1b | 4 |' in table
 
 
 def _startup_file(path, layers, command, growth_at_k4):
