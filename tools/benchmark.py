@@ -195,6 +195,8 @@ def _measure_isolated(family, micro, with_overheads):
 
 
 def measure(family):
+    from bench_common import library_default
+
     micro = [int(m) for m in MICRO.value]
     measure_fn = _measure_isolated if ISOLATE.value else _measure_here
     runs, over = measure_fn(family, micro, OVERHEADS.value)
@@ -229,8 +231,6 @@ def measure(family):
             )
             row['efficiency'] = row['speedup'] / row['bubble_bound']
         rows.append(row)
-    from bench_common import library_default
-
     by = {(r['schedule'], r['num_stages'], r['num_micro_batches']): r for r in rows}
     # The paper's baseline is K=2, M=1; without M=1 in the grid, the smallest M measured.
     first = SCHEDULES.value[0]
