@@ -392,9 +392,49 @@ def test_startup_repeats_take_medians_of_rounds_and_show_the_spread():
     net = sorted([(9 - 0.5) / (8 - 0.1), (15 - 0.75) / (13.5 - 0.15), (11 - 0.5) / (10 - 0.1)])
     assert s['growth_net_of_step'] == pytest.approx(net[1])
     assert s['vs_plain'] == pytest.approx(10 / 3)  # per round 3.0, 3.33, 3.67
+    # Over each process's plain step (3.0 x busy at both M): per round 9 / 8, 15 / 13.5, 11 / 10.
+    assert s['growth_vs_plain'] == pytest.approx(10 / 9)
     line = next(x for x in results_table.startup_table(
         dict(engine='e', model='t', recompute='r', summary=[s])) if x.startswith('| 16 |'))  # fmt: skip
     assert line.startswith('| 16 | 4 | 1f1b | 10.0 (8.0–13.5) | 11.0 (9.0–15.0) | 1.11 | 1.07 |')
+
+
+def test_startup_growth_over_each_process_plain_step_takes_out_the_host_drift():
+    """A host twice as slow for the M=32 process doubles its plain step too: the raw growth
+    is 2, the growth over each process's plain step 1, and the goals line reports both."""
+    import results_table
+    import startup
+
+    rows = []
+    for m, slow in ((4, 1.0), (32, 2.0)):
+        common = dict(layers=16, num_stages=4, num_micro_batches=m, outer_nodes=5, steady_s=0.1)
+        rows.append(dict(common, kind='plain', schedule='', beside='1f1b', startup_s=2.0 * slow))
+        rows.append(dict(common, kind='pipeline', schedule='1f1b', startup_s=4.0 * slow))
+    (s,) = startup.summarise(rows)
+    assert s['growth'] == pytest.approx(2.0)
+    assert s['growth_vs_plain'] == pytest.approx(1.0)
+    goals = results_table.startup_goals([s])[-1]
+    assert 'at most 1.3 in 0 of 1 rows (the largest 2.00' in goals
+    assert "each over the plain step's start-up in its process, at most 1.3 in 1 of 1" in goals
+
+
+def test_startup_summarise_rewrites_a_file_summary_from_its_rows(tmp_path):
+    """--summarise=FILE measures nothing: the summary is recomputed from the rows (a file
+    written before a summary field existed gets it), the rows left as they are."""
+    rows = []
+    for m, slow in ((4, 1.0), (32, 2.0)):
+        common = dict(layers=8, num_stages=2, num_micro_batches=m, outer_nodes=5, steady_s=0.1)
+        rows.append(dict(common, kind='plain', schedule='', beside='gpipe', startup_s=2.0 * slow))
+        rows.append(dict(common, kind='pipeline', schedule='gpipe', startup_s=4.0 * slow))
+    path = tmp_path / 'old.json'
+    old = dict(startup=True, engine='e', model='t', recompute='r', rows=rows, summary=[])
+    path.write_text(json.dumps(old))
+    out = _run(['tools/startup.py', f'--summarise={path}'])
+    new = json.loads(path.read_text())
+    assert new['rows'] == rows
+    (s,) = new['summary']
+    assert s['growth_vs_plain'] == pytest.approx(1.0) and s['growth'] == pytest.approx(2.0)
+    assert '| 8 | 2 | gpipe | 4.0 | 8.0 | 2.00 |' in out
 
 
 def test_startup_measures_eval_once_per_process_whatever_the_schedules(tmp_path):

@@ -57,7 +57,7 @@ def _sub(dropout=False, layers_per_cell=2, relu_cell=None):
     return sub
 
 
-def _pipe(schedule, policy, loop, twin, dropout=False, m=4, relu_cell=None):
+def _pipe(schedule, policy, loop, twin, dropout=False, m=4, relu_cell=None, grappler=False):
     v = 2 if schedule == 'interleaved_1f1b' else 1
     return (
         gpipe.PipelinedLayer.Params()
@@ -73,6 +73,7 @@ def _pipe(schedule, policy, loop, twin, dropout=False, m=4, relu_cell=None):
             virtual_stages=v,
             tick_loop=loop,
             twin_cells=twin,
+            cell_grappler=grappler,
         )
         .Instantiate()
     )
@@ -110,10 +111,11 @@ def _backward_calls(fn):
 
 @pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
 def test_the_first_cells_call_one_backward_each_on_its_device(loop):
-    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True))
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True, grappler=True))
     calls, bodies = _backward_calls(fn)
-    # Cells 0, 1 and 2 call one backward (cell 0 drops the input gradients it does not
-    # want); the last cell's micro-batches are kept (a fused call).
+    # With Grappler on the cells, cells 0, 1 and 2 call one backward (Grappler cuts the
+    # input gradients cell 0 does not want out of its call's copy); the last cell's
+    # micro-batches are kept (a fused call).
     assert set(calls) == {'device:CPU:0', 'device:CPU:1', 'device:CPU:2'}
     shared = set().union(*calls.values())
     assert len(shared) == 1 and all(names == shared for names in calls.values())
@@ -122,6 +124,28 @@ def test_the_first_cells_call_one_backward_each_on_its_device(loop):
     fn, *_ = _run(_pipe('1f1b', 'except_last', loop, False))
     calls, _ = _backward_calls(fn)
     assert len(set().union(*calls.values())) == 3  # each cell its own trace
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+def test_without_grappler_the_first_cell_calls_the_shared_backward_with_grappler(loop):
+    """Without Grappler on the cells (the default) nothing would cut the input gradients the
+    first cell drops out of the shared 'all' call, and it would compute them at every
+    micro-batch: its calls alone run Grappler (whose function optimizer cuts them), the other
+    cells' calls do not."""
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True))
+    calls, _ = _backward_calls(fn)
+    shared = set().union(*calls.values())
+    assert set(calls) == {'device:CPU:0', 'device:CPU:1', 'device:CPU:2'} and len(shared) == 1
+    graph = fn.get_concrete_function(*_data()).graph.as_graph_def()
+    options = collections.defaultdict(set)  # device -> config_proto of its trampoline calls
+    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        if 'trampoline' in node.attr['f'].func.name and node.device:
+            options[node.device.split('/')[-1]].add(node.attr['config_proto'].s)
+    assert options['device:CPU:0'] == {b''}  # TF's defaults: Grappler on
+    for d in ('device:CPU:1', 'device:CPU:2'):
+        (proto,) = options[d]
+        config = tf.compat.v1.ConfigProto.FromString(proto)
+        assert config.graph_options.rewrite_options.disable_meta_optimizer
 
 
 def test_cells_that_differ_trace_their_own():

@@ -8,6 +8,7 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --measure=eval --compare_unrolled ...   # eval's forward (FProp)
     python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
     python tools/startup.py --workers --compare_unrolled --num_stages=2 ...   # TF workers
+    python tools/startup.py --summarise=docs/results/startup_grid_l8.json   # summary again
 
 Each (K, L, M) and schedule runs in a fresh process with K logical CPUs (--workers: K TF
 worker processes on 127.0.0.1, one core each): a warm-up op, then the plain sequence's tape
@@ -99,6 +100,12 @@ REPEATS = flags.DEFINE_integer(
     "of the rounds' ratios.",
 )
 CHILD = flags.DEFINE_string('child', '', 'Internal: "K,L,M" measured in this process.')
+SUMMARISE = flags.DEFINE_string(
+    'summarise',
+    '',
+    "Measure nothing: rewrite this result file's summary from its rows with this tool's "
+    'summarise (a file written before a summary field existed gets it).',
+)
 
 HEADS, SEQ = 2, 16
 
@@ -284,6 +291,15 @@ def summarise(rows):
                 startup_s={str(m): _median([x[m]['startup_s'] for x in mine]) for m in ms},
                 growth=_median([x[hi]['startup_s'] / x[lo]['startup_s'] for x in mine]),
                 growth_net_of_step=_median([net(x[hi]) / net(x[lo]) for x in mine]),
+                # The same over the plain step of each process: the host's speed drifts between
+                # processes, and the plain step (which does not depend on M) drifts with it.
+                growth_vs_plain=_median(
+                    [
+                        (x[hi]['startup_s'] / p[hi]['startup_s'])
+                        / (x[lo]['startup_s'] / p[lo]['startup_s'])
+                        for x, p in zip(mine, plain)
+                    ]
+                ),
                 vs_plain=_median(
                     [x[hi]['startup_s'] / p[hi]['startup_s'] for x, p in zip(mine, plain)]
                 ),
@@ -323,6 +339,21 @@ def summarise(rows):
     return out
 
 
+def _summarise_file(path, bench_common):
+    """Rewrites `path`'s summary from its rows (the measurements are left as they are)."""
+    with open(path) as f:
+        result = json.load(f)
+    if not result.get('startup'):
+        sys.exit(f'{path} is not a result of tools/startup.py (no "startup" key).')
+    result['summary'] = summarise(result['rows'])
+    when = bench_common.run_metadata()['date']
+    result['summarised'] = f'python tools/startup.py --summarise={path} ({when})'
+    bench_common.write_json(path, result)
+    from results_table import startup_table
+
+    print('\n'.join(startup_table(result)))
+
+
 def _by_m(rows, kind, run, num_layers, k, schedule, beside=None):
     """{M: row} of one kind and run at (L, K), of `schedule` unless None; plain steps of the
     process that measured `beside` (files written before each schedule had a process of its
@@ -348,6 +379,9 @@ def main(argv):
         return _child(CHILD.value)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_common
+
+    if SUMMARISE.value:
+        return _summarise_file(SUMMARISE.value, bench_common)
 
     rows = []
     for k in STAGES.value:

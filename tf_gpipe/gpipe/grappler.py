@@ -1,13 +1,17 @@
-"""Grappler on the cells' functions: on by default, off to start faster.
+"""Grappler on the cells' functions: off by default (`cell_grappler=False`), to start faster.
 
 TF runs Grappler, its graph optimizer, on a function's graph when a call first instantiates
 the function, once per device that calls it, one after another along the schedule. At K=4,
 M=32 that is the larger part of the pipeline's first call, and the cells' steady step is no
-faster for it on CPU; but without it a cell's peak memory is higher (docs/engine.md,
-"Start-up: Grappler on cells"). A call op keeps the options it was created with (its
-`config_proto` attribute), so a call created inside `calls(False)` instantiates its function
-without Grappler while the user's step around it keeps it. Values are the same either way, up to float rounding (Grappler rewrites a graph
-and may reorder its arithmetic).
+faster for it on CPU, nor their peak memory lower (docs/engine.md, "Start-up: cells without
+Grappler"). A call op keeps the options it was created with (its `config_proto` attribute),
+so a call created inside `calls(False)` instantiates its function without Grappler while the
+user's step around it keeps it. Values are the same either way, up to float rounding
+(Grappler rewrites a graph and may reorder its arithmetic).
+
+One kind of call runs Grappler whatever the option: a cell's call of its twins' shared
+backward whose input gradients it drops (recompute.py), since only Grappler's function
+optimizer cuts unread outputs out of a call's copy of the function.
 
 The option lives in TF's context, so `calls` sets it for the few lines that create a call and
 sets it back. Scopes nest (only the outermost one sets and restores it), and a program that
@@ -80,3 +84,12 @@ class Function:
     def get_concrete_function(self, *args, **kwargs):
         with calls(self._optimize):
             return self._function.get_concrete_function(*args, **kwargs)
+
+
+def config_proto_to_prune():
+    """The `config_proto` of a call whose unread outputs Grappler is to cut out of its copy of
+    the function (its function optimizer does, once per device): TF's defaults, whatever the
+    cells' option, unless the program turned Grappler off itself."""
+    if tf.config.optimizer.get_experimental_options().get(_OFF):
+        return config_proto(False)
+    return b''

@@ -397,10 +397,13 @@ class CellRunner:
         shared, drop_x = self._SharedFor(args, want)
         if shared is not None:
             concrete, captures, variables = shared
+            # A call that drops input gradients runs Grappler on its function (once, on this
+            # device, whatever cell_grappler says): its function optimizer cuts them out of
+            # this call's copy. Without Grappler the call would compute them every time.
+            dropped = drop_x and concrete.structured_outputs[0]
+            options = grappler.config_proto_to_prune() if dropped else self._CallOptions()
             with distribute.on(self.device):
-                out = call_op.call_structured(
-                    concrete, args, captures, self._CallOptions(), self._trampolines
-                )
+                out = call_op.call_structured(concrete, args, captures, options, self._trampolines)
             if out is not None:
                 d_x, d_v = out
                 return ([] if drop_x else d_x), list(zip(variables, d_v))
@@ -447,8 +450,9 @@ class CellRunner:
     def _SharedFor(self, args, want):
         """(`_Shared` for this call, whether to drop its d_inputs). A cell that wants its
         variables' gradients alone (the first cell) calls its group's 'all' trace, which the
-        other cells call too: one trace fewer, and Grappler cuts the unused input gradients
-        out of that call's copy, so nothing more is computed."""
+        other cells call too: one trace fewer. Its calls run Grappler on that function (see
+        `Backward`), which cuts the unused input gradients out of their copy, so nothing more
+        is computed."""
         if want == 'variables':
             shared = self._Shared(args, 'all')
             if shared is not None:
