@@ -90,6 +90,4 @@ def config_proto_to_prune():
     """The `config_proto` of a call whose unread outputs Grappler is to cut out of its copy of
     the function (its function optimizer does, once per device): TF's defaults, whatever the
     cells' option, unless the program turned Grappler off itself."""
-    if tf.config.optimizer.get_experimental_options().get(_OFF):
-        return config_proto(False)
-    return b''
+    return config_proto(not tf.config.optimizer.get_experimental_options().get(_OFF))
