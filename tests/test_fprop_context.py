@@ -26,3 +26,14 @@ def test_scope_restores_after_an_exception():
     except RuntimeError:
         pass
     assert fprop_context.current().training
+
+
+def test_reads_of_the_recompute_flag_are_counted_but_not_scopes_own():
+    before = fprop_context.recompute_reads()
+    with fprop_context.scope(recompute=True):
+        with fprop_context.scope(step=3):
+            assert fprop_context.recompute_reads() == before  # replace's reads are not counted
+            assert fprop_context.current().recompute
+    assert fprop_context.recompute_reads() == before + 1
+    assert fprop_context.current().training  # another field: not counted
+    assert fprop_context.recompute_reads() == before + 1

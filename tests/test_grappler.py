@@ -109,7 +109,8 @@ def _layers(n):
     return [fc.Copy().Set(name=f'fc{i}') for i in range(n)]
 
 
-def _cell_calls(schedule, policy, cell_grappler):
+def _step_calls(schedule, policy, cell_grappler, loop=False):
+    """`_call_configs` of a ComputeGradients step's graph."""
     pipe = (
         gpipe.PipelinedLayer.Params()
         .Set(
@@ -121,17 +122,21 @@ def _cell_calls(schedule, policy, cell_grappler):
             recompute=policy,
             schedule=schedule,
             cell_grappler=cell_grappler,
+            tick_loop=loop,
         )
         .Instantiate()
     )
     x = tf.random.stateless_normal([8, 4], [1, 2])
     step = tf.function(lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y * y)))
-    graph_def = step.get_concrete_function().graph.as_graph_def()
+    return _call_configs(step.get_concrete_function().graph.as_graph_def())
+
+
+def _cell_calls(schedule, policy, cell_grappler):
     # Calls of our own helpers (sums, carried values) are not cells': keep the cells' only.
     cell_fns = ('_Forward', 'Backward', 'lambda', 'run_', 'pruned')
     return {
         name: offs
-        for name, offs in _call_configs(graph_def).items()
+        for name, offs in _step_calls(schedule, policy, cell_grappler).items()
         if any(part in name for part in cell_fns)
     }
 
@@ -162,3 +167,15 @@ def test_cells_run_without_grappler_by_default():
 
     assert gpipe.PipelinedLayer.Params().cell_grappler is False
     assert base_task.BaseTask.Params().pipeline.cell_grappler is False
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+def test_the_gradient_sums_calls_run_without_grappler_whatever_the_cells_option(loop):
+    """Adding a micro-batch's gradients to the sums (and reading the loop's sums out) gives
+    Grappler nothing to do: its pass per device would only lengthen the first call."""
+    for cell_grappler in (False, True):
+        calls = _step_calls('1f1b', 'except_last', cell_grappler, loop)
+        parts = ('_add', '_get_all') if loop else ('_accumulate',)
+        for part in parts:
+            sums = [offs for name, offs in calls.items() if part in name]
+            assert sums and all(all(offs) for offs in sums), (part, sorted(calls))

@@ -21,6 +21,11 @@ class FPropContext:
     seed_offset: object = 0  # Distinguishes calls within one step (the pipeline's micro-batch).
     recompute: bool = False  # A backward-pass replay: same randomness, no statistics updates.
 
+    def __getattribute__(self, name):
+        if name == 'recompute':  # counted: see recompute_reads
+            _local.recompute_reads = getattr(_local, 'recompute_reads', 0) + 1
+        return object.__getattribute__(self, name)
+
 
 _local = threading.local()
 
@@ -44,11 +49,20 @@ def scope(training=_UNSET, step=_UNSET, seed_offset=_UNSET, recompute=_UNSET):
     stack = getattr(_local, 'stack', None)
     if stack is None:
         stack = _local.stack = []
+    reads = recompute_reads()
     stack.append(dataclasses.replace(current(), **changes))
+    _local.recompute_reads = reads  # replace's own read is no layer's
     try:
         yield stack[-1]
     finally:
         stack.pop()
+
+
+def recompute_reads():
+    """How many times code on this thread has read a context's `recompute` (scope's own
+    reads aside): a trace that did not read it computes the same with either value, which
+    lets the pipeline call one trace for both (recompute.py)."""
+    return getattr(_local, 'recompute_reads', 0)
 
 
 def eval_mode():

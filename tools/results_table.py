@@ -443,8 +443,10 @@ def table(paths):
 
 def startup_ab_table(results):
     """Rounds of tools/startup.py of two versions (files whose `engine` labels differ), run
-    alternately: per (L, K, M), each version's trace, first call, start-up and steady step,
-    the median [least–most] over its rounds, and the start-up's ratio of the medians."""
+    alternately: per (L, K, M), schedule and executor, each version's trace, first call,
+    start-up and steady step, the median [least–most] over its rounds, the start-up over the
+    plain step's of the same process (median over the rounds), and the start-up's ratio of
+    the medians."""
     labels = list(dict.fromkeys(r['engine'] for r in results))
     first = results[0]
     dates = sorted(r.get('date', '') for r in results)
@@ -456,32 +458,41 @@ def startup_ab_table(results):
         f'{first.get("tf_version", "")} ({commands}):',
         '',
         '| version | L | K | M | schedule | rounds | trace s | first call s | start-up s '
-        "| steady ms | start-up / the first version's |",
-        '|---|---|---|---|---|---|---|---|---|---|---|',
+        "| steady ms | start-up / plain's | start-up / the first version's |",
+        '|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
-    groups = {}  # (L, K, M, schedule) -> {label: the pipeline's rows over the rounds}
+    groups = {}  # (L, K, M, schedule, kind) -> {label: [(row, its process's plain row)]}
     for result in results:
+        plain = None
         for r in result['rows']:
-            if r['kind'] != 'plain':
-                key = (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule'])
-                groups.setdefault(key, {}).setdefault(result['engine'], []).append(r)
+            if r['kind'] == 'plain':  # each process measures the plain step first
+                plain = r
+                continue
+            key = (r['layers'], r['num_stages'], r['num_micro_batches'], r['schedule'], r['kind'])
+            groups.setdefault(key, {}).setdefault(result['engine'], []).append((r, plain))
 
     def cell(values, scale=1.0, fmt='.1f'):
         median, least, most = _median_span([v * scale for v in values])
         return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]', median
 
+    kinds = {k[-1] for k in groups}
     for key in sorted(groups):
         base = None
         for label in labels:
-            rows = groups[key].get(label, [])
+            pairs = groups[key].get(label, [])
+            rows = [r for r, _ in pairs]
             trace, _ = cell([r['trace_s'] for r in rows])
             first_call, _ = cell([r['first_call_s'] for r in rows])
             startup, median = cell([r['startup_s'] for r in rows])
             steady, _ = cell([r['steady_s'] for r in rows], 1e3, '.0f')
+            ratios = [r['startup_s'] / p['startup_s'] for r, p in pairs if p is not None]
+            vs_plain = cell(ratios, fmt='.2f')[0] if ratios else ''
             base = median if base is None else base
+            schedule = key[3] if len(kinds) == 1 else f'{key[3]} ({key[4]})'
             lines.append(
-                f'| {label} | {key[0]} | {key[1]} | {key[2]} | {key[3]} | {len(rows)} | {trace} '
-                f'| {first_call} | {startup} | {steady} | {median / base:.2f} |'
+                f'| {label} | {key[0]} | {key[1]} | {key[2]} | {schedule} | {len(rows)} '
+                f'| {trace} | {first_call} | {startup} | {steady} | {vs_plain} '
+                f'| {median / base:.2f} |'
             )
     return lines
 

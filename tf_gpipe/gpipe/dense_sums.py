@@ -9,6 +9,8 @@ backward, at the peak too (docs/results.md, the tick loop's peak memory table).
 
 import tensorflow as tf
 
+from tf_gpipe.gpipe import grappler
+
 
 class DenseSums:
     """Where each variable's sum sits: `pairs` is [(variable, gradient TensorSpec)]."""
@@ -44,15 +46,20 @@ class DenseSums:
             if at:
                 present = [grads[group[vi][0].ref()] for vi in at]
                 shapes = tuple(tuple(group[vi][1].shape.as_list()) for vi in at)
-                lists[gi] = _add(lists[gi], present, at, shapes, group[0][1].dtype)
+                # Grappler has nothing to do in a chain of additions: off, as on the cells.
+                with grappler.calls(False):
+                    lists[gi] = _add(lists[gi], present, at, shapes, group[0][1].dtype)
         return lists
 
     def Read(self, lists):
-        """[(variable, its sum)] out of `lists`."""
+        """[(variable, its sum)] out of `lists`: one call per list, not a read op (and its
+        constants) per variable in the step's graph."""
         out = []
         for handle, group in zip(lists, self.groups):
-            for vi, (v, sp) in enumerate(group):
-                out.append((v, _get(handle, vi, sp.shape, sp.dtype)))
+            shapes = tuple(tuple(sp.shape.as_list()) for _, sp in group)
+            with grappler.calls(False):
+                sums = _get_all(handle, shapes, group[0][1].dtype)
+            out += [(v, s) for (v, _), s in zip(group, sums)]
         return out
 
 
@@ -61,6 +68,12 @@ def _get(handle, index, shape, dtype):
     return tf.raw_ops.TensorListGetItem(
         input_handle=handle, index=index, element_shape=shape, element_dtype=dtype
     )
+
+
+@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _get_all(handle, shapes, dtype):
+    """Every entry of the list, each of its shape in `shapes`."""
+    return [_get(handle, i, shape, dtype) for i, shape in enumerate(shapes)]
 
 
 @tf.function(autograph=False, experimental_attributes={'_noinline': True})

@@ -280,7 +280,11 @@ class Executor:
             return [], []
         if kept is not None:
             return runner.BackwardKept(kept, dy, want)
-        targets = self._targets.get(m) if runner.head is not None else None
+        targets = None
+        if runner.head is not None:
+            # d (weighted loss) alone, as the fused call takes it: one signature for both, so
+            # that the fused trace can stand for this backward (recompute.py, _FusedFor).
+            targets, dy = self._targets.get(m), dy[1]
         return runner.Backward(x, targets, dy, self.step, self._Mb(m), want)
 
 

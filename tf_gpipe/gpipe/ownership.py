@@ -11,7 +11,7 @@ dense sum, as in TF.
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import call_op
+from tf_gpipe.gpipe import call_op, grappler
 from tf_gpipe.runtime import distribute
 
 
@@ -108,7 +108,9 @@ def _add(previous, grads):
     if tf.executing_eagerly():
         return _accumulate(previous, grads)
     concrete = _accumulate.get_concrete_function(previous, grads)
-    return call_op.call(concrete, list(previous) + list(grads) + concrete.captured_inputs)
+    # Grappler has nothing to do in a list of additions: off, as on the cells.
+    args = list(previous) + list(grads) + concrete.captured_inputs
+    return call_op.call(concrete, args, grappler.config_proto(False))
 
 
 def _concat(a, b):

@@ -114,6 +114,8 @@ class CellRunner:
         self._twin_maps = {}  # call signature -> capture map, or None where not a twin
         self._shared_backward = None  # on the group's first runner
         self._forward_keys = set()  # signatures its forward was called or traced with
+        # Last cell: signature -> whether its fused trace stands for its backward (_FusedFor).
+        self._replays = {}
         self._trampolines = {}  # its backward calls' trampolines (call_op.py)
 
     def ShareBackward(self, first, variable_of):
@@ -202,12 +204,21 @@ class CellRunner:
         """A kept micro-batch whose backward comes right after its forward, as one call:
         (outputs, d_inputs, d_variables); the forward is the real one (state updates run).
         With a loss head, `output_grads` may be the weighted loss's gradient alone."""
+        graph = tf.compat.v1.get_default_graph()
+        first, reads = len(graph.get_operations()), fprop_context.recompute_reads()
         with distribute.on(self.device), self._Scope(step, micro_batch):
             tape, sources, outputs = self._RunTaped(inputs, targets)
-            output_grads = self._FromLoss(outputs, output_grads)
+            output_grads_in, output_grads = output_grads, self._FromLoss(outputs, output_grads)
             variables = self._NoteRead(tape.watched_variables())
             grads = self._Gradients(tape, sources, outputs, output_grads, variables, want)
-            return (outputs,) + grads
+        if self.head is not None and not tf.executing_eagerly():
+            # No write and no read of the recompute flag: the recompute computes the same.
+            pure = fprop_context.recompute_reads() == reads and not any(
+                op.type in split_functions.WRITE_OPS for op in graph.get_operations()[first:]
+            )
+            args = (inputs, targets, output_grads_in, step, micro_batch)
+            self._replays[_signature(args, want)] = pure
+        return (outputs,) + grads
 
     def _FromLoss(self, outputs, output_grads):
         """With a loss head, `output_grads` may be the weighted loss's gradient alone (the
@@ -407,6 +418,14 @@ class CellRunner:
             if out is not None:
                 d_x, d_v = out
                 return ([] if drop_x else d_x), list(zip(variables, d_v))
+        fused = self._FusedFor(args, want)
+        if fused is not None:
+            out = call_op.call_structured(
+                fused, args, fused.captured_inputs, self._CallOptions(), self._trampolines
+            )
+            if out is not None:
+                _, d_x, d_v = out
+                return d_x, list(zip(self._read, d_v))
         out = None
         if not (self._jit or tf.executing_eagerly()):
             # Through a trampoline, without shape inference (call_op.py): its outputs are
@@ -431,6 +450,9 @@ class CellRunner:
             concrete, _, variables = shared
             d_x, d_v = concrete.structured_outputs
             return ([] if drop_x else d_x, d_v), variables
+        fused = self._FusedFor(args, want)
+        if fused is not None:
+            return fused.structured_outputs[1:], self.read_variables
         concrete = self._backward.get_concrete_function(*args, want)
         return concrete.structured_outputs, self.read_variables
 
@@ -446,6 +468,20 @@ class CellRunner:
         """The traced forward `Forward` calls for these arguments (TensorSpecs allowed)."""
         self._forward_keys.add(_signature((inputs, targets, step, micro_batch), training))
         return self._forward.get_concrete_function(inputs, targets, step, micro_batch, training)
+
+    def _FusedFor(self, args, want):
+        """The last cell's fused forward-and-backward already traced for these arguments, when
+        it may stand for the recompute-backward (its gradients are what it returns after the
+        outputs); else None. A schedule that keeps one micro-batch and recomputes the others on
+        the last cell (GPipe's fill-drain under 'except_last') then traces the cell's forward
+        and gradient once, not twice. Only a trace that writes no variable and never reads the
+        recompute flag qualifies (batch norm, dropout and Keras' seeded layers write), since
+        the fused call runs as the forward (recompute=False) and the backward as a replay."""
+        if self.head is None or self._jit or tf.executing_eagerly():
+            return None
+        if not self._replays.get(_signature(args, want)):
+            return None
+        return self._forward_backward.get_concrete_function(*args, want)
 
     def _SharedFor(self, args, want):
         """(`_Shared` for this call, whether to drop its d_inputs). A cell that wants its

@@ -284,7 +284,8 @@ class TickLoop:
                     raise UnsupportedError('a kept forward whose stateful ops need an order')
                 for v, g in st.fns.variable_gradients:
                     kinds[v.ref()] = (v, g)
-            for kind in sorted(used & {BACKWARD, WEIGHT, _FB}):
+            # The fused call first: the last cell's backward may be its trace (_FusedFor).
+            for kind in sorted(used & {BACKWARD, WEIGHT, _FB}, key=lambda k: k != _FB):
                 want = self._Want(kind, s)
                 if want is None:
                     continue
