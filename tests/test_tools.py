@@ -472,13 +472,16 @@ def test_startup_ab_table_keeps_each_executor_apart_and_each_round_to_its_own_pl
     import results_table
 
     def result(label, slow):
-        common = dict(layers=8, num_stages=2, num_micro_batches=4, steady_s=0.1)
+        common = dict(layers=8, num_stages=2, num_micro_batches=4, steady_s=0.1, outer_nodes=5)
         rows = [
             dict(common, kind='plain', schedule='', beside='gpipe', startup_s=2.0 * slow),
             dict(common, kind='pipeline', schedule='gpipe', startup_s=4.0 * slow),
             dict(common, kind='unrolled', schedule='gpipe', startup_s=6.0 * slow),
         ]
-        rows = [dict(r, trace_s=r['startup_s'] / 2, first_call_s=r['startup_s'] / 2) for r in rows]
+        rows = [
+            dict(r, trace_s=r['startup_s'] / 2, first_call_s=r['startup_s'] / 2, library_nodes=7)
+            for r in rows
+        ]
         meta = dict(model='t', recompute='r', machine='m', tf_version='v', date='d')
         return dict(meta, startup=True, engine=label, command='c', rows=rows)
 
@@ -486,8 +489,9 @@ def test_startup_ab_table_keeps_each_executor_apart_and_each_round_to_its_own_pl
     body = [line for line in lines if line.startswith('| a') or line.startswith('| b')]
     assert len(body) == 4  # (pipeline, unrolled) x (a, b)
     # a: start-ups 4 and 12 over plain steps of 2 and 6: 2.00 in both rounds.
-    assert '| a | 8 | 2 | 4 | gpipe (pipeline) | 2 | ' in body[0]
-    assert body[0].endswith('| 2.00 [2.00–2.00] | 1.00 |')
-    assert body[1].startswith('| b | 8 | 2 | 4 | gpipe (pipeline) | 1 |')
-    assert body[1].endswith('| 2.00 [2.00–2.00] | 0.50 |')  # 4 against a's median 8
-    assert '| gpipe (unrolled) |' in body[2] and body[2].endswith('| 3.00 [3.00–3.00] | 1.00 |')
+    assert '| a | 8 | 2 | 4 | gpipe (tick loop) | 2 | ' in body[0]
+    assert body[0].endswith('| 2.00 [2.00–2.00] | 5 + 7 | 1.00 |')
+    assert body[1].startswith('| b | 8 | 2 | 4 | gpipe (tick loop) | 1 |')
+    assert body[1].endswith('| 2.00 [2.00–2.00] | 5 + 7 | 0.50 |')  # 4 against a's median 8
+    assert '| gpipe (unrolled) |' in body[2]
+    assert body[2].endswith('| 3.00 [3.00–3.00] | 5 + 7 | 1.00 |')

@@ -458,8 +458,9 @@ def startup_ab_table(results):
         f'{first.get("tf_version", "")} ({commands}):',
         '',
         '| version | L | K | M | schedule | rounds | trace s | first call s | start-up s '
-        "| steady ms | start-up / plain's | start-up / the first version's |",
-        '|---|---|---|---|---|---|---|---|---|---|---|---|',
+        "| steady ms | start-up / plain's | nodes: outer + library | start-up / the first "
+        "version's |",
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
     ]
     groups = {}  # (L, K, M, schedule, kind) -> {label: [(row, its process's plain row)]}
     for result in results:
@@ -488,10 +489,14 @@ def startup_ab_table(results):
             ratios = [r['startup_s'] / p['startup_s'] for r, p in pairs if p is not None]
             vs_plain = cell(ratios, fmt='.2f')[0] if ratios else ''
             base = median if base is None else base
-            schedule = key[3] if len(kinds) == 1 else f'{key[3]} ({key[4]})'
+            # Two kinds only with --compare_unrolled, which runs the tick loop beside.
+            kind = {'pipeline': 'tick loop'}.get(key[4], key[4])
+            schedule = key[3] if len(kinds) == 1 else f'{key[3]} ({kind})'
+            # A graph's size is the same in every round: the first round's.
+            nodes = f'{rows[0]["outer_nodes"]} + {rows[0]["library_nodes"]}' if rows else ''
             lines.append(
                 f'| {label} | {key[0]} | {key[1]} | {key[2]} | {schedule} | {len(rows)} '
-                f'| {trace} | {first_call} | {startup} | {steady} | {vs_plain} '
+                f'| {trace} | {first_call} | {startup} | {steady} | {vs_plain} | {nodes} '
                 f'| {median / base:.2f} |'
             )
     return lines
