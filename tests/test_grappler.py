@@ -133,7 +133,7 @@ def _step_calls(schedule, policy, cell_grappler, loop=False):
 
 def _cell_calls(schedule, policy, cell_grappler):
     # Calls of our own helpers (sums, carried values) are not cells': keep the cells' only.
-    cell_fns = ('_Forward', 'Backward', 'lambda', 'run_', 'pruned')
+    cell_fns = ('_Forward', 'Backward', 'cut_')
     return {
         name: offs
         for name, offs in _step_calls(schedule, policy, cell_grappler).items()
@@ -149,7 +149,7 @@ def test_every_cell_call_of_a_step_follows_cell_grappler(schedule, policy):
     calls = _cell_calls(schedule, policy, False)
     kinds = {'forward': '_Forward_', 'backward': 'Backward'}
     if schedule == 'zero_bubble':
-        kinds = {'F/B': 'lambda', 'W': 'run'}
+        kinds = {'F': 'cut_forward', 'B': 'cut_backward', 'W': 'cut_weights'}
     for kind, part in kinds.items():
         assert any(part in name for name in calls), (kind, sorted(calls))
     # One exception: the first cell calls its twins' shared backward through a trampoline of

@@ -1,8 +1,8 @@
-"""Zero-bubble's F, B and W of a kept micro-batch as three traced calls, pruned from one trace.
+"""Zero-bubble's F, B and W of a kept micro-batch as three traced calls, cut from one trace.
 
 One trace of the cell holds its forward, B (the output gradient back to the inputs and to the
 weights' uses, see weight_gradients.py) and W (the uses' gradients to the weights, one local op
-per use). `tf.compat.v1.wrap_function(...).prune` cuts it into three functions:
+per use), made by `tf.compat.v1.wrap_function`. `graph_cut.py` cuts it into three functions:
 
 - F: inputs -> outputs, plus the residuals: every forward tensor that B or W reads;
 - B: residuals and output gradients -> input gradients, the unsplit variables' gradients and
@@ -15,12 +15,13 @@ local. Built once per cell and input signature.
 `wrap_function` adds no automatic control dependencies, so the cut is refused (`build` returns
 None and the caller falls back to an unsplit B) when the forward writes a resource that it also
 reads: only then does the order of its stateful ops matter. Writes nobody reads in the forward
-(batch norm's accumulators) run as F's control outputs.
+(batch norm's accumulators) are fetched by F and run there; B and W never hold them, not even
+when a residual's op waits for one (`graph_cut` does not copy what a fed tensor depends on).
 """
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import grappler, weight_gradients
+from tf_gpipe.gpipe import graph_cut, grappler, weight_gradients
 from tf_gpipe.runtime import distribute
 
 _NOINLINE = {'_noinline': True}
@@ -41,55 +42,10 @@ def _frontier(ops):
     return out
 
 
-def _prune(wrapped, feeds, fetches):
-    """`wrapped.prune(feeds, fetches)` (tensors) holding only what the fetches need.
-
-    prune also copies the ops that a fed tensor's op waits for (its control inputs: a
-    counter's update, say) and leaves them unconnected. Grappler would drop them; a function
-    run without it runs every stateful op it holds, so B would update the counter again.
-    Pruning the result once more leaves them out."""
-    pruned = wrapped.prune(feeds, fetches)
-    graph = pruned.graph
-    needed, stack = set(), [t.op for t in graph.outputs] + list(graph.control_outputs)
-    while stack:
-        op = stack.pop()
-        if op not in needed:
-            needed.add(op)
-            stack += [t.op for t in op.inputs] + list(op.control_inputs)
-    if all(op in needed or op.type == 'Placeholder' for op in graph.get_operations()):
-        return pruned
-    num_fed = len(graph.inputs) - len(graph.captures)
-    return pruned.prune(graph.inputs[:num_fed], pruned.structured_outputs)
-
-
-def _call(function, optimize):
-    """`function` (a pruned concrete function) behind a non-inlined call of its own, with
-    Grappler on it if `optimize` (grappler.py)."""
-    return grappler.Function(
-        tf.function(lambda *args: function(*args), autograph=False, **_ATTRS), optimize
-    )
-
-
-def _call_after(function, optimize):
-    """Like `_call`, with a first argument the call waits for (its other inputs may all be
-    ready long before: the executor orders a device's actions through it)."""
-
-    def run(token, *args):
-        with tf.control_dependencies([token]):
-            args = [tf.identity(a) for a in args]
-        return function(*args)
-
-    return grappler.Function(tf.function(run, autograph=False, **_ATTRS), optimize)
-
-
-_ATTRS = dict(experimental_attributes=_NOINLINE)
-
-
 class SplitFunctions:
     """F, B and W of one cell for one input signature (see the module docstring)."""
 
     def __init__(self, wrapped, parts, optimize=True):
-        self._wrapped = wrapped
         self._parts = parts
         self._optimize = optimize
         self.flat_outputs = tf.nest.flatten(parts['outputs'])
@@ -101,14 +57,19 @@ class SplitFunctions:
         self._residual_args = [arg_index.get(t.ref()) for t in residuals]
         fetched = [t for t in residuals if t.ref() not in arg_index]
         self._num_fetched = len(fetched)
-        self.forward = _call(
-            wrapped.prune(args, self.flat_outputs + fetched + parts['stateful']), optimize
-        )
+        self._source = graph_cut.Source(wrapped.graph)
+        self.forward = self._Cut('forward', args, self.flat_outputs + fetched + parts['stateful'])
         self._backward = {}
         w_fetch = parts['d_split']
         self.weights = (
-            _call_after(_prune(wrapped, parts['w_feeds'], w_fetch), optimize) if w_fetch else None
+            self._Cut('weights', parts['w_feeds'], w_fetch, after=True) if w_fetch else None
         )
+
+    def _Cut(self, part, feeds, fetches, after=False):
+        """The part of the trace between feeds and fetches as a call of its own, with Grappler
+        on it if the cells run it (grappler.py)."""
+        function = graph_cut.cut(self._source, feeds, fetches, f'cut_{part}', _NOINLINE, after)
+        return grappler.Function(function, self._optimize)
 
     def Forward(self, flat_args):
         """(outputs, residuals) of one micro-batch."""
@@ -125,7 +86,7 @@ class SplitFunctions:
             p = self._parts
             fetch = (p['d_x'] if want_inputs else []) + _flat_grads(p['d_unsplit']) + p['b_to_w']
             feeds = p['residuals'] + p['dy_phs']
-            fn = _call(_prune(self._wrapped, feeds, fetch), self._optimize) if fetch else None
+            fn = self._Cut('backward', feeds, fetch) if fetch else None
             self._backward[want_inputs] = fn
         return self._backward[want_inputs]
 
