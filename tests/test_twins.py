@@ -109,51 +109,58 @@ def _backward_calls(fn):
     return calls, bodies
 
 
+def _options_by_device(fn):
+    """{device: config_protos of its trampoline calls}."""
+    graph = fn.get_concrete_function(*_data()).graph.as_graph_def()
+    options = collections.defaultdict(set)
+    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
+        if 'trampoline' in node.attr['f'].func.name and node.device:
+            options[node.device.split('/')[-1]].add(node.attr['config_proto'].s)
+    return options
+
+
+@pytest.mark.parametrize('grappler', [False, True], ids=['cells_without_grappler', 'grappler'])
 @pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
-def test_the_first_cells_call_one_backward_each_on_its_device(loop):
-    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True, grappler=True))
+def test_the_first_cells_share_one_backward_trace_and_the_first_calls_its_part(loop, grappler):
+    """Cells 1 and 2 call one backward, each on its own device, with no device inside it; the
+    first cell wants its variables' gradients alone and calls that part of the same trace,
+    cut from it (graph_cut.py): no second trace, and no input gradient computed for nothing,
+    whatever Grappler does. The last cell's micro-batches are kept (a fused call)."""
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True, grappler=grappler))
     calls, bodies = _backward_calls(fn)
-    # With Grappler on the cells, cells 0, 1 and 2 call one backward (Grappler cuts the
-    # input gradients cell 0 does not want out of its call's copy); the last cell's
-    # micro-batches are kept (a fused call).
     assert set(calls) == {'device:CPU:0', 'device:CPU:1', 'device:CPU:2'}
-    shared = set().union(*calls.values())
-    assert len(shared) == 1 and all(names == shared for names in calls.values())
-    assert all(not n.device for n in bodies[shared.pop()].node_def)  # placed by its caller
+    (shared,) = calls['device:CPU:1']
+    (part,) = calls['device:CPU:0']
+    assert calls['device:CPU:2'] == {shared} and part != shared
+    assert 'BackwardUnplaced' in shared and 'Backward_variables' in part
+    for name in (shared, part):
+        assert all(not n.device for n in bodies[name].node_def)  # placed by its caller
+    # The part returns the weight and bias gradients of its two layers, not d x, and holds
+    # one matmul fewer: the first layer's input gradient (two in the forward, each layer's
+    # weight gradient, the second layer's input gradient).
+    outputs = {name: len(bodies[name].signature.output_arg) for name in (shared, part)}
+    assert outputs == {shared: 5, part: 4}
+    matmuls = {name: [n.op for n in bodies[name].node_def].count('MatMul') for name in outputs}
+    assert matmuls == {shared: 6, part: 5}
+    # Nothing asks Grappler to prune: every call follows cell_grappler.
+    for device, protos in _options_by_device(fn).items():
+        for proto in protos:
+            config = tf.compat.v1.ConfigProto.FromString(proto)
+            assert config.graph_options.rewrite_options.disable_meta_optimizer != grappler, device
 
     fn, *_ = _run(_pipe('1f1b', 'except_last', loop, False))
     calls, _ = _backward_calls(fn)
     assert len(set().union(*calls.values())) == 3  # each cell its own trace
 
 
-@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
-def test_without_grappler_the_first_cell_calls_the_shared_backward_with_grappler(loop):
-    """Without Grappler on the cells (the default) nothing would cut the input gradients the
-    first cell drops out of the shared 'all' call, and it would compute them at every
-    micro-batch: its calls alone run Grappler (whose function optimizer cuts them), the other
-    cells' calls do not."""
-    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True))
-    calls, _ = _backward_calls(fn)
-    shared = set().union(*calls.values())
-    assert set(calls) == {'device:CPU:0', 'device:CPU:1', 'device:CPU:2'} and len(shared) == 1
-    graph = fn.get_concrete_function(*_data()).graph.as_graph_def()
-    options = collections.defaultdict(set)  # device -> config_proto of its trampoline calls
-    for node in list(graph.node) + [n for f in graph.library.function for n in f.node_def]:
-        if 'trampoline' in node.attr['f'].func.name and node.device:
-            options[node.device.split('/')[-1]].add(node.attr['config_proto'].s)
-    assert options['device:CPU:0'] == {b''}  # TF's defaults: Grappler on
-    for d in ('device:CPU:1', 'device:CPU:2'):
-        (proto,) = options[d]
-        config = tf.compat.v1.ConfigProto.FromString(proto)
-        assert config.graph_options.rewrite_options.disable_meta_optimizer
-
-
 def test_cells_that_differ_trace_their_own():
     # The same layer classes and variables, another activation: not the same forward.
     fn, *_ = _run(_pipe('1f1b', 'except_last', False, True, relu_cell=2))
     calls, _ = _backward_calls(fn)
-    assert len(set().union(*calls.values())) == 2  # cells 0 and 1 share theirs
-    assert calls['device:CPU:0'] == calls['device:CPU:1'] != calls['device:CPU:2']
+    # Cells 0 and 1 share theirs (cell 0 calls its part: the previous test), cell 2 its own.
+    ((c0,), (c1,), (c2,)) = [calls[f'device:CPU:{d}'] for d in range(3)]
+    assert 'Backward_variables' in c0 and 'BackwardUnplaced' in c1
+    assert '_Backward_' in c2 and 'Unplaced' not in c2
 
 
 def test_cells_with_dropout_trace_their_own():

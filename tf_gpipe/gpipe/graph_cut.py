@@ -38,11 +38,11 @@ def _colocate_within(node, kept):
         del node.attr['_class']
 
 
-def cut(source, feeds, fetches, name='cut', attributes=None, after=False):
+def cut(source, feeds, fetches, name='cut', attributes=None, after=False, structure=None):
     """A tf.function named `name` of len(feeds) tensors (after a first one it waits for, if
     `after`) that returns the fetches (tensors of the source's graph; an op fetched runs and
-    returns None), holding only the ops they need. A placeholder they need that is neither fed
-    nor captured is an error."""
+    returns None), holding only the ops they need; packed as `structure` if given (composite
+    tensors expanded). A placeholder they need that is neither fed nor captured is an error."""
     fed = {_key(t.name): i for i, t in enumerate(feeds)}
     fed_ops = {key.partition(':')[0] for key in fed}
     fetched = [f.name if isinstance(f, tf.Operation) else _key(f.name) for f in fetches]
@@ -93,7 +93,9 @@ def cut(source, feeds, fetches, name='cut', attributes=None, after=False):
                 args = [tf.identity(a) for a in args]
         input_map = {key: args[fed[key]] for key in used_feeds}
         # A captured value enters the new function as its own capture.
-        input_map.update({key: tf.identity(source.captures[key]) for key in used_captures})
+        for key in source.captures:  # in the source's order: the same function every time
+            if key in used_captures:
+                input_map[key] = tf.identity(source.captures[key])
         out = iter(
             tf.graph_util.import_graph_def(
                 graph_def, input_map=input_map, return_elements=imported, name='cut'
@@ -102,7 +104,10 @@ def cut(source, feeds, fetches, name='cut', attributes=None, after=False):
             else []
         )
         results = [args[fed[key]] if key in fed else next(out) for key in fetched]
-        return [None if isinstance(r, tf.Operation) else r for r in results]
+        results = [None if isinstance(r, tf.Operation) else r for r in results]
+        if structure is None:
+            return results
+        return tf.nest.pack_sequence_as(structure, results, expand_composites=True)
 
     run.__name__ = name
     return tf.function(run, autograph=False, experimental_attributes=attributes)

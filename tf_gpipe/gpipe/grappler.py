@@ -9,10 +9,6 @@ so a call created inside `calls(False)` instantiates its function without Grappl
 user's step around it keeps it. Values are the same either way, up to float rounding
 (Grappler rewrites a graph and may reorder its arithmetic).
 
-One kind of call runs Grappler whatever the option: a cell's call of its twins' shared
-backward whose input gradients it drops (recompute.py), since only Grappler's function
-optimizer cuts unread outputs out of a call's copy of the function.
-
 The option lives in TF's context, so `calls` sets it for the few lines that create a call and
 sets it back. Scopes nest (only the outermost one sets and restores it), and a program that
 turned Grappler off itself, or asked it for mixed precision (which only Grappler applies),
@@ -84,10 +80,3 @@ class Function:
     def get_concrete_function(self, *args, **kwargs):
         with calls(self._optimize):
             return self._function.get_concrete_function(*args, **kwargs)
-
-
-def config_proto_to_prune():
-    """The `config_proto` of a call whose unread outputs Grappler is to cut out of its copy of
-    the function (its function optimizer does, once per device): TF's defaults, whatever the
-    cells' option, unless the program turned Grappler off itself."""
-    return config_proto(not tf.config.optimizer.get_experimental_options().get(_OFF))

@@ -31,7 +31,7 @@ import contextlib
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import call_op, grappler, split_functions, twins, weight_gradients
+from tf_gpipe.gpipe import call_op, graph_cut, grappler, split_functions, twins, weight_gradients
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -117,6 +117,8 @@ class CellRunner:
         # Last cell: signature -> whether its fused trace stands for its backward (_FusedFor).
         self._replays = {}
         self._trampolines = {}  # its backward calls' trampolines (call_op.py)
+        self._parts = {}  # (traced 'all' backward, want) -> the part cut from it (_Part)
+        self._own_all = set()  # signatures whose own 'all' backward parts are cut from
 
     def ShareBackward(self, first, variable_of):
         """Makes this runner a twin candidate of `first` (an earlier cell of the same layer
@@ -405,19 +407,16 @@ class CellRunner:
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(d_float_inputs, [(variable, d_variable)]) by recomputing the forward."""
         args = (inputs, targets, output_grads, step, micro_batch)
-        shared, drop_x = self._SharedFor(args, want)
+        shared = self._Shared(args, want)
         if shared is not None:
             concrete, captures, variables = shared
-            # A call that drops input gradients runs Grappler on its function (once, on this
-            # device, whatever cell_grappler says): its function optimizer cuts them out of
-            # this call's copy. Without Grappler the call would compute them every time.
-            dropped = drop_x and concrete.structured_outputs[0]
-            options = grappler.config_proto_to_prune() if dropped else self._CallOptions()
             with distribute.on(self.device):
-                out = call_op.call_structured(concrete, args, captures, options, self._trampolines)
+                out = call_op.call_structured(
+                    concrete, args, captures, self._CallOptions(), self._trampolines
+                )
             if out is not None:
                 d_x, d_v = out
-                return ([] if drop_x else d_x), list(zip(variables, d_v))
+                return d_x, list(zip(variables, d_v))
         fused = self._FusedFor(args, want)
         if fused is not None:
             out = call_op.call_structured(
@@ -430,7 +429,7 @@ class CellRunner:
         if not (self._jit or tf.executing_eagerly()):
             # Through a trampoline, without shape inference (call_op.py): its outputs are
             # gradients, which no tape differentiates.
-            concrete = self._backward.get_concrete_function(*args, want)
+            concrete = self._OwnBackward(args, want)
             out = call_op.call_structured(
                 concrete, args, concrete.captured_inputs, self._CallOptions(), self._trampolines
             )
@@ -445,15 +444,14 @@ class CellRunner:
         arguments (TensorSpecs allowed): its (d_inputs, d_variables) and the variables the
         latter belong to, in order. Traces it if needed."""
         args = (inputs, targets, output_grads, step, micro_batch)
-        shared, drop_x = self._SharedFor(args, want)
+        shared = self._Shared(args, want)
         if shared is not None:
             concrete, _, variables = shared
-            d_x, d_v = concrete.structured_outputs
-            return ([] if drop_x else d_x, d_v), variables
+            return concrete.structured_outputs, variables
         fused = self._FusedFor(args, want)
         if fused is not None:
             return fused.structured_outputs[1:], self.read_variables
-        concrete = self._backward.get_concrete_function(*args, want)
+        concrete = self._OwnBackward(args, want)
         return concrete.structured_outputs, self.read_variables
 
     def FusedFunction(self, inputs, targets, output_grads, step, micro_batch, want='all'):
@@ -483,32 +481,58 @@ class CellRunner:
             return None
         return self._forward_backward.get_concrete_function(*args, want)
 
-    def _SharedFor(self, args, want):
-        """(`_Shared` for this call, whether to drop its d_inputs). A cell that wants its
-        variables' gradients alone (the first cell) calls its group's 'all' trace, which the
-        other cells call too: one trace fewer. Its calls run Grappler on that function (see
-        `Backward`), which cuts the unused input gradients out of their copy, so nothing more
-        is computed."""
-        if want == 'variables':
-            shared = self._Shared(args, 'all')
-            if shared is not None:
-                return shared, True
-        return self._Shared(args, want), False
+    def _OwnBackward(self, args, want):
+        """This cell's own traced backward for these arguments (not a twin's). B of a split
+        backward ('inputs') is cut from the cell's 'all' trace, which W then cuts its part from
+        too (`_Part`): one recompute-backward trace for both. A cell that only ever wants its
+        variables' gradients (the first, whose inputs are the data) traces that alone."""
+        if want == 'inputs' or (want == 'variables' and _signature(args, 'all') in self._own_all):
+            self._own_all.add(_signature(args, 'all'))
+            return self._Part(self._backward.get_concrete_function(*args, 'all'), want)
+        return self._backward.get_concrete_function(*args, want)
+
+    def _Part(self, concrete, want):
+        """The part of a traced 'all' backward that `want` asks for, as a function of its own
+        cut from the trace (graph_cut.py): d_inputs alone ('inputs') or d_variables alone
+        ('variables'), holding only the ops they need; the trace itself for 'all'."""
+        if want == 'all':
+            return concrete
+        key = (concrete.name, want)
+        if key not in self._parts:
+            d_x, d_v = concrete.structured_outputs
+            structure = (d_x, []) if want == 'inputs' else ([], d_v)
+            fetches = tf.nest.flatten(structure, expand_composites=True)
+            feeds = concrete.inputs[: len(concrete.inputs) - len(concrete.captured_inputs)]
+            function = graph_cut.cut(
+                graph_cut.Source(concrete.graph),
+                feeds,
+                fetches,
+                name=f'Backward_{want}',
+                attributes=_NOINLINE,
+                structure=structure,
+            )
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in feeds]
+            with grappler.calls(self.grappler):
+                self._parts[key] = function.get_concrete_function(*specs)
+        return self._parts[key]
 
     def _Shared(self, args, want):
-        """(the shared backward traced for args, this cell's captures for it, the variables of
-        its d_variables) when this cell is a proven twin for this call (or the first of its
-        group); else None, and the cell calls a backward traced for itself."""
+        """(the shared backward for args and want, this cell's captures for it, the variables
+        of its d_variables) when this cell is a proven twin for this call (or the first of its
+        group); else None, and the cell calls a backward traced for itself. The group traces
+        'all' once; a call that wants part of it ('inputs': B of a split backward;
+        'variables': the first cell, whose inputs are the data) calls that part cut from the
+        trace (`_Part`), so nothing is computed for nothing and nothing is traced twice."""
         first = self if self._shared_backward is not None else self._twin_of
         if first is None or tf.executing_eagerly() or not distribute.places_by_device_name():
             return None
-        key = _signature(args, want)
+        key = _signature(args, 'all')
         if key not in self._twin_maps:
             self._twin_maps[key] = self._TwinMap(first, args)
         mapping = self._twin_maps[key]
         if mapping is None:
             return None
-        concrete = first._shared_backward.get_concrete_function(*args, want)
+        concrete = first._Part(first._shared_backward.get_concrete_function(*args, 'all'), want)
         values = [external for external, _ in concrete.graph.captures]
         # Its d_variables belong to first's read variables as they were at its trace (a
         # prefix of the list now); each must be one this cell's forward has a counterpart of.
