@@ -114,14 +114,9 @@ def _calls(graph_def):
     return found
 
 
-@pytest.mark.parametrize('twin_cells', [True, False], ids=['twins', 'own_backward'])
-def test_backward_calls_go_through_trampolines_without_shape_inference(twin_cells):
-    """In an unrolled ComputeGradients step, every recompute-backward is called through a
-    trampoline (one per cell and signature, not per micro-batch) and, like the gradient sums,
-    without shape inference; forward calls stay tf.function calls (a tape may record them)."""
+def _pipe(m, policy, twin_cells=True):
     fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
-    m = 3
-    pipe = (
+    return (
         gpipe.PipelinedLayer.Params()
         .Set(
             name='pipe',
@@ -129,26 +124,54 @@ def test_backward_calls_go_through_trampolines_without_shape_inference(twin_cell
             num_partitions=2,
             partition_by='uniform',
             num_micro_batches=m,
-            recompute='always',
+            recompute=policy,
             schedule='1f1b',
             twin_cells=twin_cells,
         )
         .Instantiate()
     )
+
+
+def _step_calls(pipe):
     x = tf.reshape(tf.range(24, dtype=tf.float32), [6, 4]) / 24.0
 
     def step():
         return pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y * y))
 
-    calls = _calls(tf.function(step).get_concrete_function().graph.as_graph_def())
+    return _calls(tf.function(step).get_concrete_function().graph.as_graph_def())
+
+
+@pytest.mark.parametrize('twin_cells', [True, False], ids=['twins', 'own_backward'])
+def test_backward_and_recomputed_forward_calls_go_through_trampolines(twin_cells):
+    """In an unrolled ComputeGradients step, every recompute-backward and every recomputed
+    forward (no tape records it) is called through a trampoline (one per cell and kind, not
+    per micro-batch) and, like the gradient sums, without shape inference."""
+    m = 3
+    calls = _step_calls(_pipe(m, 'always', twin_cells))
     outer = [(n, skip) for n, skip, inside in calls if not inside]
     trampolines = [(n, skip) for n, skip in outer if 'trampoline' in n]
-    backward = [(n, skip) for n, skip, inside in calls if inside]
+    inner = [(n, skip) for n, skip, inside in calls if inside]
     sums = [(n, skip) for n, skip in outer if 'accumulate' in n]
-    forward = [(n, skip) for n, skip in outer if 'Forward' in n]
-    assert len(trampolines) == 2 * m and all(skip for _, skip in trampolines), calls
-    assert len({n for n, _ in trampolines}) == 2  # one per cell, whatever M
-    assert all('Backward' in n and skip for n, skip in backward), calls
+    assert len(trampolines) == 4 * m and all(skip for _, skip in trampolines), calls
+    assert len({n for n, _ in trampolines}) == 4  # one per cell and kind, whatever M
+    assert all(skip for _, skip in inner), calls
+    assert sum('Backward' in n for n, _ in inner) == 2 * m, calls
+    assert sum('Forward' in n for n, _ in inner) == 2 * m, calls
     assert sums and all(skip for _, skip in sums), calls
-    assert len(forward) == 2 * m and not any(skip for _, skip in forward), calls
-    assert not any('Backward' in n for n, _ in outer), calls
+    assert not any('Backward' in n or 'Forward' in n for n, _ in outer), calls
+
+
+def test_a_kept_forward_stays_a_tf_function_call():
+    """A kept micro-batch's forward is recorded by a tape (its backward is the tape's): a
+    tf.function call, with shape inference. The last cell's kept micro-batches are fused
+    forward-and-backward calls, whose outputs no tape differentiates: through trampolines."""
+    m = 3
+    calls = _step_calls(_pipe(m, 'never'))
+    outer = [(n, skip) for n, skip, inside in calls if not inside]
+    inner = [(n, skip) for n, skip, inside in calls if inside]
+    # TF's call of the forward a tape records is named __forward_<function> (it returns the
+    # activations its backward, __backward_<function>, reads).
+    kept = [(n, skip) for n, skip in outer if n.startswith('__forward__Forward')]
+    assert len(kept) == m and not any(skip for _, skip in kept), calls
+    assert sum('ForwardBackward' in n for n, _ in inner) == m, calls
+    assert not any('ForwardBackward' in n for n, _ in outer), calls

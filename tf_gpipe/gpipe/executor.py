@@ -184,7 +184,7 @@ class Executor:
                 y, self._kept[(s, m)] = runner.ForwardKeep(x, targets, self.step, self._Mb(m))
             else:
                 with stop_recording():
-                    y = runner.Forward(x, targets, self.step, self._Mb(m))
+                    y = runner.Forward(x, targets, self.step, self._Mb(m), taped=False)
             trace.end(t0, FORWARD, s, m, y)
         self._inputs[(s, m)] = x
         self._Done(s, y)

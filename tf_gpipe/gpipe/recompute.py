@@ -118,6 +118,7 @@ class CellRunner:
         self._replays = {}
         self._trampolines = {}  # its backward calls' trampolines (call_op.py)
         self._parts = {}  # (traced 'all' backward, want) -> the part cut from it (_Part)
+        self._concretes = {}  # (function, call signature) -> its trace (_Concrete)
         self._own_all = set()  # signatures whose own 'all' backward parts are cut from
 
     def ShareBackward(self, first, variable_of):
@@ -300,10 +301,34 @@ class CellRunner:
 
     # ---- what the executor calls -------------------------------------------------------------
 
-    def Forward(self, inputs, targets, step, micro_batch, training=True):
-        """The cell's outputs for one micro-batch; no activations are kept."""
-        self._forward_keys.add(_signature((inputs, targets, step, micro_batch), training))
+    def Forward(self, inputs, targets, step, micro_batch, training=True, taped=True):
+        """The cell's outputs for one micro-batch; no activations are kept. `taped=False`: no
+        tape may record the call (the caller stops recording), so it is made through call_op
+        (no shape inference over the cell's body, a trampoline per device)."""
+        args = (inputs, targets, step, micro_batch)
+        key = _signature(args, training)
+        self._forward_keys.add(key)
+        if not (taped or self._jit or tf.executing_eagerly()):
+            concrete = self._Concrete(self._forward, ('forward', key), args + (training,))
+            out = self._CallUntaped(concrete, args)
+            if out is not None:
+                return out
         return self._forward(inputs, targets, step, micro_batch, training)
+
+    def _CallUntaped(self, concrete, args):
+        """One call of `concrete` through call_op (its outputs structured), or None when the
+        arguments do not match its inputs."""
+        with distribute.on(self.device):
+            return call_op.call_structured(
+                concrete, args, concrete.captured_inputs, self._CallOptions(), self._trampolines
+            )
+
+    def _Concrete(self, function, key, args):
+        """`function`'s trace for `args`, looked up once per call signature `key`: asking the
+        tf.function at every call (K·M calls in an unrolled step) costs a few ms each."""
+        if key not in self._concretes:
+            self._concretes[key] = function.get_concrete_function(*args)
+        return self._concretes[key]
 
     def ForwardKeep(self, inputs, targets, step, micro_batch):
         """Forward whose activations are kept, for `BackwardKept` / `SplitBackward`.
@@ -398,10 +423,18 @@ class CellRunner:
 
     def ForwardBackward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
         """(outputs, d_float_inputs, [(variable, d_variable)]): forward and backward of a
-        micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's)."""
-        out, d_x, d_v = self._forward_backward(
-            inputs, targets, output_grads, step, micro_batch, want
-        )
+        micro-batch in one call, nothing recomputed (`output_grads` known up front: the loss's).
+        Its outputs are a loss and gradients, which no tape differentiates: a call_op call."""
+        args = (inputs, targets, output_grads, step, micro_batch)
+        out = None
+        if not (self._jit or tf.executing_eagerly()):
+            key = ('fused', _signature(args, want))
+            out = self._CallUntaped(
+                self._Concrete(self._forward_backward, key, args + (want,)), args
+            )
+        if out is None:
+            out = self._forward_backward(*args, want)
+        out, d_x, d_v = out
         return out, d_x, list(zip(self._read, d_v))
 
     def Backward(self, inputs, targets, output_grads, step, micro_batch, want='all'):
@@ -488,8 +521,9 @@ class CellRunner:
         variables' gradients (the first, whose inputs are the data) traces that alone."""
         if want == 'inputs' or (want == 'variables' and _signature(args, 'all') in self._own_all):
             self._own_all.add(_signature(args, 'all'))
-            return self._Part(self._backward.get_concrete_function(*args, 'all'), want)
-        return self._backward.get_concrete_function(*args, want)
+            key = ('backward', _signature(args, 'all'))
+            return self._Part(self._Concrete(self._backward, key, args + ('all',)), want)
+        return self._Concrete(self._backward, ('backward', _signature(args, want)), args + (want,))
 
     def _Part(self, concrete, want):
         """The part of a traced 'all' backward that `want` asks for, as a function of its own
@@ -532,7 +566,8 @@ class CellRunner:
         mapping = self._twin_maps[key]
         if mapping is None:
             return None
-        concrete = first._Part(first._shared_backward.get_concrete_function(*args, 'all'), want)
+        shared = first._Concrete(first._shared_backward, ('shared', key), args + ('all',))
+        concrete = first._Part(shared, want)
         values = [external for external, _ in concrete.graph.captures]
         # Its d_variables belong to first's read variables as they were at its trace (a
         # prefix of the list now); each must be one this cell's forward has a counterpart of.

@@ -675,7 +675,8 @@ class TickLoop:
             if kind in _KEPT.values():
                 return run_kept(msg, seed)
             if kind == FORWARD:
-                y = runner.Forward(read_inputs(), read_targets(), ctx.step[d], seed)
+                # A training loop: nothing differentiates its calls (it computes gradients).
+                y = runner.Forward(read_inputs(), read_targets(), ctx.step[d], seed, taped=False)
                 forward_message(msg, y)
                 return msg
             want = self._Want(kind, s)
