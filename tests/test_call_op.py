@@ -1,6 +1,7 @@
 """call_op: a call of a traced function that takes its output shapes from the trace (no shape
 inference through the body), computes what a tf.function call computes, and is what the
-executor uses for backward calls and gradient sums, never for a forward a tape may need."""
+executor uses for backward calls, gradient sums and forwards no tape can record, never for a
+forward a tape may need."""
 
 import numpy as np
 import pytest

@@ -16,8 +16,10 @@ function would do:
 
 Only for calls no tape needs: a call made here is not recorded by a `tf.GradientTape` and
 does not tell one which variables it reads, so the executor uses it for the recompute-backward
-calls (their outputs are gradients) and the gradient sums, never for a forward a tape may
-differentiate. Graph mode only (eagerly a call infers no shapes and has no passes).
+calls (their outputs are gradients), the gradient sums and the forwards nothing records (a
+recomputed micro-batch's, the tick loop's, the fused forward-and-backward), never for a
+forward a tape may differentiate. Graph mode only (eagerly a call infers no shapes and has no
+passes).
 """
 
 import tensorflow as tf
