@@ -118,8 +118,8 @@ class CellRunner:
         self._replays = {}
         self._trampolines = {}  # its backward calls' trampolines (call_op.py)
         self._parts = {}  # (traced 'all' backward, want) -> the part cut from it (_Part)
+        self._sources = {}  # traced 'all' backward's name -> graph_cut.Source (_Part)
         self._concretes = {}  # (function, call signature) -> its trace (_Concrete)
-        self._own_all = set()  # signatures whose own 'all' backward parts are cut from
 
     def ShareBackward(self, first, variable_of):
         """Makes this runner a twin candidate of `first` (an earlier cell of the same layer
@@ -315,12 +315,13 @@ class CellRunner:
                 return out
         return self._forward(inputs, targets, step, micro_batch, training)
 
-    def _CallUntaped(self, concrete, args):
-        """One call of `concrete` through call_op (its outputs structured), or None when the
-        arguments do not match its inputs."""
+    def _CallUntaped(self, concrete, args, captures=None):
+        """One call of `concrete` on this device through call_op (its outputs structured),
+        with `captures` in place of its own; None when the arguments do not match its inputs."""
+        captures = concrete.captured_inputs if captures is None else captures
         with distribute.on(self.device):
             return call_op.call_structured(
-                concrete, args, concrete.captured_inputs, self._CallOptions(), self._trampolines
+                concrete, args, captures, self._CallOptions(), self._trampolines
             )
 
     def _Concrete(self, function, key, args):
@@ -443,10 +444,7 @@ class CellRunner:
         shared = self._Shared(args, want)
         if shared is not None:
             concrete, captures, variables = shared
-            with distribute.on(self.device):
-                out = call_op.call_structured(
-                    concrete, args, captures, self._CallOptions(), self._trampolines
-                )
+            out = self._CallUntaped(concrete, args, captures)
             if out is not None:
                 d_x, d_v = out
                 return d_x, list(zip(variables, d_v))
@@ -517,11 +515,11 @@ class CellRunner:
     def _OwnBackward(self, args, want):
         """This cell's own traced backward for these arguments (not a twin's). B of a split
         backward ('inputs') is cut from the cell's 'all' trace, which W then cuts its part from
-        too (`_Part`): one recompute-backward trace for both. A cell that only ever wants its
-        variables' gradients (the first, whose inputs are the data) traces that alone."""
-        if want == 'inputs' or (want == 'variables' and _signature(args, 'all') in self._own_all):
-            self._own_all.add(_signature(args, 'all'))
-            key = ('backward', _signature(args, 'all'))
+        too (`_Part`): one recompute-backward trace for both. A cell wanting its variables'
+        gradients alone before any 'all' trace (the first, whose inputs are the data) traces
+        that alone."""
+        key = ('backward', _signature(args, 'all'))
+        if want == 'inputs' or (want == 'variables' and key in self._concretes):
             return self._Part(self._Concrete(self._backward, key, args + ('all',)), want)
         return self._Concrete(self._backward, ('backward', _signature(args, want)), args + (want,))
 
@@ -537,8 +535,10 @@ class CellRunner:
             structure = (d_x, []) if want == 'inputs' else ([], d_v)
             fetches = tf.nest.flatten(structure, expand_composites=True)
             feeds = concrete.inputs[: len(concrete.inputs) - len(concrete.captured_inputs)]
+            if concrete.name not in self._sources:  # read once for both parts
+                self._sources[concrete.name] = graph_cut.Source(concrete.graph)
             function = graph_cut.cut(
-                graph_cut.Source(concrete.graph),
+                self._sources[concrete.name],
                 feeds,
                 fetches,
                 name=f'Backward_{want}',
