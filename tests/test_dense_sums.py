@@ -36,3 +36,32 @@ def test_sums_per_variable_and_dtype_and_only_what_they_hold():
     np.testing.assert_array_equal(got[b.ref()], np.arange(4.0))
     assert got[c.ref()].dtype == np.float16 and got[c.ref()].tolist() == [1.0, 1.0]
     np.testing.assert_array_equal(got[never.ref()], np.zeros([3, 1]))
+
+
+def test_sums_of_the_same_shapes_call_one_trace():
+    """Cells of the same layers (twins) hold sums of the same shapes: their additions and
+    reads call the same traced functions, one per distinct set of entries, not one per cell."""
+    cells = [[tf.Variable(tf.zeros([2, 3])), tf.Variable(tf.zeros([3]))] for _ in range(3)]
+    holders = [dense_sums.DenseSums([(v, tf.TensorSpec(v.shape)) for v in vs]) for vs in cells]
+
+    @tf.function(autograph=False)
+    def run():
+        out = []
+        for sums, (w, b) in zip(holders, cells):
+            lists = sums.New()
+            lists = sums.Add(lists, [(w, tf.ones([2, 3])), (b, tf.ones([3]))])
+            lists = sums.Add(lists, [(w, tf.ones([2, 3]))])  # another set of entries
+            out += [t for _, t in sums.Read(lists)]
+        return out
+
+    graph = run.get_concrete_function().graph
+    called = [
+        op.get_attr('f').name
+        for op in graph.get_operations()
+        if op.type in ('PartitionedCall', 'StatefulPartitionedCall')
+    ]
+    assert len(called) == 9 and len(set(called)) == 3, called
+    got = [t.numpy() for t in run()]
+    for w_sum, b_sum in zip(got[::2], got[1::2]):
+        np.testing.assert_array_equal(w_sum, np.full([2, 3], 2.0))
+        np.testing.assert_array_equal(b_sum, np.ones([3]))

@@ -173,7 +173,7 @@ def test_the_gradient_sums_calls_run_without_grappler_whatever_the_cells_option(
     Grappler nothing to do: its pass per device would only lengthen the first call."""
     for cell_grappler in (False, True):
         calls = _step_calls('1f1b', 'except_last', cell_grappler, loop)
-        parts = ('_add', '_get_all') if loop else ('_accumulate',)
+        parts = ('_add_entries', '_get_all_entries') if loop else ('_accumulate',)
         for part in parts:
             sums = [offs for name, offs in calls.items() if part in name]
             assert sums and all(all(offs) for offs in sums), (part, sorted(calls))

@@ -79,24 +79,48 @@ def empty(spec):
 
 
 class Packing:
-    """Tensors of fixed shapes as one flat vector per dtype (and back), each way one call."""
+    """Tensors of fixed shapes as one flat vector per dtype (and back), each way one call.
+
+    Each way is traced once per Packing and its trace called directly: a tf.function called
+    with the layout as an argument spent more of the loop's trace building that argument's
+    trace type than packing (tools/startup.py, zero bubble)."""
 
     def __init__(self, specs):
-        self.layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
+        self._in_specs = [tf.TensorSpec(sp.shape, sp.dtype) for sp in specs]
+        layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
+        self.layout = layout
         self.dtypes = list(dict.fromkeys(sp.dtype for sp in specs))
         self.specs = [
             tf.TensorSpec([sum(sp.shape.num_elements() for sp in specs if sp.dtype == dt)], dt)
             for dt in self.dtypes
         ]
+        self._pack = self._unpack = None
 
     def Pack(self, tensors):
-        return list(_pack(list(tensors), self.layout, tuple(self.dtypes))) if tensors else []
+        if not self.layout:
+            return []
+        if self._pack is None:
+            layout, dtypes = self.layout, tuple(self.dtypes)
+            self._pack = _noinline(lambda *ts: _pack(ts, layout, dtypes)).get_concrete_function(
+                *self._in_specs
+            )
+        return list(self._pack(*tensors))
 
     def Unpack(self, flats):
-        return list(_unpack(list(flats), self.layout, tuple(self.dtypes))) if self.layout else []
+        if not self.layout:
+            return []
+        if self._unpack is None:
+            layout, dtypes = self.layout, tuple(self.dtypes)
+            self._unpack = _noinline(lambda *fs: _unpack(fs, layout, dtypes)).get_concrete_function(
+                *self.specs
+            )
+        return list(self._unpack(*flats))
 
 
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
+def _noinline(fn):
+    return tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
+
+
 def _pack(tensors, layout, dtypes):
     return [
         tf.concat([tf.reshape(t, [-1]) for t, (_, dt) in zip(tensors, layout) if dt == d], 0)
@@ -104,16 +128,18 @@ def _pack(tensors, layout, dtypes):
     ]
 
 
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
 def _unpack(flats, layout, dtypes):
-    offsets = dict.fromkeys(dtypes, 0)
-    out = []
-    for shape, dt in layout:
-        size = 1
-        for n in shape:
-            size *= n
-        start = offsets[dt]
-        flat = flats[dtypes.index(dt)]
-        out.append(tf.reshape(flat[start : start + size], shape))
-        offsets[dt] = start + size
-    return out
+    # One Split per dtype: a slice per tensor (strided_slice) costs the trace a millisecond or
+    # more each, and a Transformer cell carries dozens of small residuals per layer.
+    pieces = {}
+    for d, flat in zip(dtypes, flats):
+        sizes = [_size(shape) for shape, dt in layout if dt == d]
+        pieces[d] = iter(tf.split(flat, sizes) if len(sizes) > 1 else [flat])
+    return [tf.reshape(next(pieces[dt]), shape) for shape, dt in layout]
+
+
+def _size(shape):
+    size = 1
+    for n in shape:
+        size *= n
+    return size

@@ -21,6 +21,7 @@ class DenseSums:
             groups.setdefault(sp.dtype, []).append((v, sp))
         self.groups = list(groups.values())  # per dtype: [(variable, spec)]
         self._held = {v.ref() for v, _ in pairs}
+        self._shapes = [tuple(tuple(sp.shape.as_list()) for _, sp in g) for g in self.groups]
 
     def __contains__(self, variable):
         return variable.ref() in self._held
@@ -45,41 +46,97 @@ class DenseSums:
             at = tuple(vi for vi, (v, _) in enumerate(group) if v.ref() in grads)
             if at:
                 present = [grads[group[vi][0].ref()] for vi in at]
-                shapes = tuple(tuple(group[vi][1].shape.as_list()) for vi in at)
+                shapes = tuple(self._shapes[gi][vi] for vi in at)
+                key = ('add', at, shapes, group[0][1].dtype, tuple(g.dtype for g in present))
+                if key not in _traces:
+                    _traces[key] = _trace_add(lists[gi], present, at, shapes, group[0][1].dtype)
                 # Grappler has nothing to do in a chain of additions: off, as on the cells.
                 with grappler.calls(False):
-                    lists[gi] = _add(lists[gi], present, at, shapes, group[0][1].dtype)
+                    lists[gi] = _traces[key](lists[gi], *present)
         return lists
 
     def Read(self, lists):
         """[(variable, its sum)] out of `lists`: one call per list, not a read op (and its
         constants) per variable in the step's graph."""
         out = []
-        for handle, group in zip(lists, self.groups):
-            shapes = tuple(tuple(sp.shape.as_list()) for _, sp in group)
+        for gi, (handle, group) in enumerate(zip(lists, self.groups)):
+            key = ('get_all', self._shapes[gi], group[0][1].dtype)
+            if key not in _traces:
+                _traces[key] = _trace_get_all(handle, self._shapes[gi], group[0][1].dtype)
             with grappler.calls(False):
-                sums = _get_all(handle, shapes, group[0][1].dtype)
+                sums = _traces[key](handle)
             out += [(v, s) for (v, _), s in zip(group, sums)]
         return out
 
 
-def _get(handle, index, shape, dtype):
+# Traces of _add and _get_all by what they compute (entries, shapes, dtypes), called directly:
+# cells of the same layers share them, and asking a tf.function for its trace with the shapes
+# as an argument had cost the tick loop's trace tens of milliseconds per call.
+_traces = {}
+
+
+def _noinline(fn):
+    return tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
+
+
+def _trace_get_all(handle, shapes, dtype):
+    """_get_all traced for `shapes`, a function of the list alone."""
+
+    def _get_all_entries(h):
+        return _get_all(h, shapes, dtype)
+
+    return _noinline(_get_all_entries).get_concrete_function(handle)
+
+
+def _trace_add(handle, grads, at, shapes, dtype):
+    """_add traced for these entries, a function of the list and the gradients alone."""
+
+    def _add_entries(h, *gs):
+        return _add(h, gs, at, shapes, dtype)
+
+    return _noinline(_add_entries).get_concrete_function(handle, *grads)
+
+
+class _Constants:
+    """The indices and shapes a traced body reads entries with: one Const of all indices
+    (unstacked) and one per distinct shape, not two per entry (a cell has dozens of
+    variables, and each constant is an op to build)."""
+
+    def __init__(self, indices):
+        values = tf.unstack(tf.constant(list(indices), tf.int32)) if indices else []
+        self.index = dict(zip(indices, values))
+        self._shapes = {}
+
+    def shape(self, shape):
+        if shape not in self._shapes:
+            self._shapes[shape] = tf.constant(list(shape), tf.int32, shape=[len(shape)])
+        return self._shapes[shape]
+
+
+def _get(handle, index, shape, dtype, consts):
     """Entry `index` (zeros of `shape` while unset), its static shape `shape`."""
-    return tf.raw_ops.TensorListGetItem(
-        input_handle=handle, index=index, element_shape=shape, element_dtype=dtype
+    out = tf.raw_ops.TensorListGetItem(
+        input_handle=handle,
+        index=consts.index[index],
+        element_shape=consts.shape(shape),
+        element_dtype=dtype,
     )
+    out.set_shape(shape)
+    return out
 
 
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
 def _get_all(handle, shapes, dtype):
     """Every entry of the list, each of its shape in `shapes`."""
-    return [_get(handle, i, shape, dtype) for i, shape in enumerate(shapes)]
+    consts = _Constants(range(len(shapes)))
+    return [_get(handle, i, shape, dtype, consts) for i, shape in enumerate(shapes)]
 
 
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
 def _add(handle, grads, at, shapes, dtype):
     """One call per backward: each entry at `at` replaced by itself + its gradient."""
+    consts = _Constants(at)
     for i, g, shape in zip(at, grads, shapes):
-        total = _get(handle, i, shape, dtype) + tf.cast(g, dtype)
-        handle = tf.raw_ops.TensorListSetItem(input_handle=handle, index=i, item=total)
+        total = _get(handle, i, shape, dtype, consts) + tf.cast(g, dtype)
+        handle = tf.raw_ops.TensorListSetItem(
+            input_handle=handle, index=consts.index[i], item=total
+        )
     return handle

@@ -22,6 +22,7 @@ class GradientSums:
         self._dense = {}
         self._sparse = {}
         self._variables = {}
+        self._traces = {}  # _add's
 
     def __contains__(self, variable):
         ref = variable.ref()
@@ -71,7 +72,12 @@ class GradientSums:
                 pending.setdefault(variable.device, []).append((ref, prev, grad))
         for device, items in pending.items():
             with distribute.on(device):
-                sums = _add([p for _, p, _ in items], [g for _, _, g in items])
+                sums = _add(
+                    self._traces,
+                    [r for r, _, _ in items],
+                    [p for _, p, _ in items],
+                    [g for _, _, g in items],
+                )
             for (ref, _, _), total in zip(items, sums):
                 self._dense[ref] = total
             totals += sums
@@ -102,12 +108,21 @@ def _accumulate(previous, grads):
     return [p + tf.cast(g, p.dtype) for p, g in zip(previous, grads)]
 
 
-def _add(previous, grads):
-    """`_accumulate`'s sums; in a graph, a call without shape inference through it
-    (call_op.py: the sums are gradients, which no tape differentiates)."""
+def _add(traces, refs, previous, grads):
+    """`_accumulate`'s sums of the variables `refs`; in a graph, a call without shape
+    inference through it (call_op.py: the sums are gradients, which no tape differentiates).
+
+    `traces` keeps its traces by the variables and dtypes: asking the tf.function for its
+    trace cost milliseconds per call with a cell's worth of tensors (it builds a trace type
+    of every argument, reading each tensor's shape), and the unrolled executor makes a call
+    per device and micro-batch. A dense gradient has its variable's shape, so the variables
+    and dtypes determine the signature."""
     if tf.executing_eagerly():
         return _accumulate(previous, grads)
-    concrete = _accumulate.get_concrete_function(previous, grads)
+    key = (tuple(refs), tuple(t.dtype for t in previous), tuple(t.dtype for t in grads))
+    concrete = traces.get(key)
+    if concrete is None:
+        concrete = traces[key] = _accumulate.get_concrete_function(previous, grads)
     # Grappler has nothing to do in a list of additions: off, as on the cells.
     args = list(previous) + list(grads) + concrete.captured_inputs
     return call_op.call(concrete, args, grappler.config_proto(False))
