@@ -494,8 +494,10 @@ def startup_ab_table(results):
             schedule = key[3] if len(kinds) == 1 else f'{key[3]} ({kind})'
             # A graph's size is the same in every round: the first round's.
             nodes = f'{rows[0]["outer_nodes"]} + {rows[0]["library_nodes"]}' if rows else ''
+            # Both executors in one process: the label's executor (the file's) names neither.
+            shown = label.rsplit(': ', 1)[0] if len(kinds) > 1 else label
             lines.append(
-                f'| {label} | {key[0]} | {key[1]} | {key[2]} | {schedule} | {len(rows)} '
+                f'| {shown} | {key[0]} | {key[1]} | {key[2]} | {schedule} | {len(rows)} '
                 f'| {trace} | {first_call} | {startup} | {steady} | {vs_plain} | {nodes} '
                 f'| {median / base:.2f} |'
             )
