@@ -115,7 +115,7 @@ def _calls(graph_def):
     return found
 
 
-def _pipe(m, policy, twin_cells=True):
+def _pipe(m, policy, twin_cells=True, tick_loop=False):
     fc = layers.FCLayer.Params().Set(input_dim=4, output_dim=4, activation='TANH')
     return (
         gpipe.PipelinedLayer.Params()
@@ -128,6 +128,7 @@ def _pipe(m, policy, twin_cells=True):
             recompute=policy,
             schedule='1f1b',
             twin_cells=twin_cells,
+            tick_loop=tick_loop,
         )
         .Instantiate()
     )
@@ -176,3 +177,26 @@ def test_a_kept_forward_stays_a_tf_function_call():
     assert len(kept) == m and not any(skip for _, skip in kept), calls
     assert sum('ForwardBackward' in n for n, _ in inner) == m, calls
     assert not any('ForwardBackward' in n for n, _ in outer), calls
+
+
+def test_a_loop_calls_its_cells_without_trampolines():
+    """The tick loop's body is traced once, each call site in it runs for every micro-batch:
+    a trampoline there would only add a function. Its cells' calls are direct, still without
+    shape inference."""
+    pipe = _pipe(3, 'always', tick_loop=True)
+    x = tf.reshape(tf.range(24, dtype=tf.float32), [6, 4]) / 24.0
+
+    def step():
+        return pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y * y))
+
+    graph_def = tf.function(step).get_concrete_function().graph.as_graph_def()
+    names = [f.signature.name for f in graph_def.library.function]
+    assert not any('trampoline' in n for n in names), names
+    cell_calls = [
+        node
+        for f in graph_def.library.function
+        for node in f.node_def
+        if node.op.endswith('PartitionedCall')
+        and ('Forward' in node.attr['f'].func.name or 'Backward' in node.attr['f'].func.name)
+    ]
+    assert cell_calls and all(n.attr[_ATTR].b for n in cell_calls), cell_calls

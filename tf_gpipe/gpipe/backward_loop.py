@@ -13,7 +13,7 @@ concatenated along the batch dimension after the loop.
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import dense_sums, executor, forward_loop, ownership, unordered
+from tf_gpipe.gpipe import call_op, dense_sums, executor, forward_loop, ownership, unordered
 from tf_gpipe.gpipe.forward_loop import UnsupportedError, empty, fill, front, merged, present
 from tf_gpipe.gpipe.tick_loop import run_on, spec_of
 from tf_gpipe.runtime import distribute
@@ -60,7 +60,12 @@ class BackwardLoop(forward_loop.Wave):
 
     def Run(self, fwd, micro_d_outputs, sums):
         """Adds every weight gradient to `sums`; returns the gradient of the whole batch's
-        inputs (the structure of one micro-batch's inputs, None at non-float leaves)."""
+        inputs (the structure of one micro-batch's inputs, None at non-float leaves). Its call
+        sites are made once whatever M: no trampolines (call_op.direct_calls)."""
+        with call_op.direct_calls():
+            return self._Run(fwd, micro_d_outputs, sums)
+
+    def _Run(self, fwd, micro_d_outputs, sums):
         runners, bd = self.runners, self.batch_dim
         num_m, S = len(micro_d_outputs), len(runners)
         devices = self.devices

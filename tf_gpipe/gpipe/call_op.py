@@ -14,6 +14,10 @@ function would do:
   call of the cell's function: they build the trampoline's one node per call op, and the
   cell's body is built when the trampoline is instantiated, once per device.
 
+A loop's body is traced once and each of its call sites runs many times, so there a
+trampoline would only add a function (a trace, an instantiation per device, a call per
+action): calls made inside `direct_calls()` (the tick loop, the backward loop) skip it.
+
 Only for calls no tape needs: a call made here is not recorded by a `tf.GradientTape` and
 does not tell one which variables it reads, so the executor uses it for the recompute-backward
 calls (their outputs are gradients), the gradient sums and the forwards nothing records (a
@@ -22,9 +26,27 @@ forward a tape may differentiate. Graph mode only (eagerly a call infers no shap
 passes).
 """
 
+import contextlib
+import threading
+
 import tensorflow as tf
 
 _NO_SHAPE_INFERENCE = '_disable_call_shape_inference'
+
+# Per thread: a tf.distribute strategy traces each replica's loop in a thread of its own.
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def direct_calls():
+    """Calls made inside go to their function directly, never through a trampoline: for the
+    body of a loop, whose call sites are made once whatever the number of micro-batches."""
+    previous = getattr(_state, 'direct', False)
+    _state.direct = True
+    try:
+        yield
+    finally:
+        _state.direct = previous
 
 
 def _types(tensors):
@@ -37,8 +59,9 @@ def call(concrete, args, config_proto=b'', trampolines=None):
     """The outputs of one call of `concrete` (a traced function) on the flat tensors `args`
     (its inputs, captures included), shaped as traced. `config_proto`: the call op's options
     (grappler.config_proto). With `trampolines` (a dict the caller keeps), the call goes
-    through `concrete`'s trampoline (below), made once and kept there."""
-    if trampolines is not None:
+    through `concrete`'s trampoline (below), made once and kept there, unless inside
+    `direct_calls()`."""
+    if trampolines is not None and not getattr(_state, 'direct', False):
         concrete = _trampoline(concrete, args, config_proto, trampolines)
     return _raw(concrete, args, config_proto)
 

@@ -33,6 +33,7 @@ unrolled executor then).
 import tensorflow as tf
 
 from tf_gpipe.gpipe import (
+    call_op,
     carried,
     dense_sums,
     executor,
@@ -206,7 +207,12 @@ class TickLoop:
     def Run(self, micro_inputs, micro_targets, want_outputs=False):
         """Builds the loop for these micro-batches and runs it: the stages' specs, the
         per-device tables, a trace of every call the branches make, the initial state, then
-        `tf.while_loop` over the ticks; results in `losses`, `outputs` and `sums`."""
+        `tf.while_loop` over the ticks; results in `losses`, `outputs` and `sums`. Its call
+        sites are made once whatever M: no trampolines (call_op.direct_calls)."""
+        with call_op.direct_calls():
+            self._Run(micro_inputs, micro_targets, want_outputs)
+
+    def _Run(self, micro_inputs, micro_targets, want_outputs):
         num_m = len(micro_inputs)
         table = self._Table()
         keys = self._BranchKeys(table)
