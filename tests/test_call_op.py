@@ -200,3 +200,46 @@ def test_a_loop_calls_its_cells_without_trampolines():
         and ('Forward' in node.attr['f'].func.name or 'Backward' in node.attr['f'].func.name)
     ]
     assert cell_calls and all(n.attr[_ATTR].b for n in cell_calls), cell_calls
+
+
+@pytest.mark.parametrize('tied', [True, False], ids=['tied', 'untied'])
+def test_an_unrolled_step_orders_no_two_devices_calls(tied):
+    """Only data and the schedule order a step's calls across devices. TF's automatic control
+    dependencies chain calls that write one resource, and stateful calls that take none:
+    cell calls say which variables they only read (a softmax tied to cell 0's embedding reads
+    it on the last device), and the gradient sums are stateless calls, so no call on one
+    device waits for another device's by a control edge."""
+    from tests.test_ownership import _tied_lm
+
+    sub = _tied_lm()
+    if not tied:
+        sub[-1] = sub[-1].Copy().Set(tied_embedding=None)
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(name='pipe', sub=sub, num_partitions=2, partition_by='uniform')
+        .Set(num_micro_batches=4, schedule='1f1b', recompute='always')
+        .Instantiate()
+    )
+    ids = tf.random.stateless_uniform([8, 6], [1, 1], 0, 16, tf.int32)
+    softmax = pipe.cells[-1].sub[-1]
+
+    def step():
+        return pipe.ComputeGradients(
+            ids, ids, lambda logits, y: softmax.XentLoss(logits, y).avg_xent
+        )
+
+    graph = tf.function(step).get_concrete_function().graph
+    calls = [op for op in graph.get_operations() if op.type.endswith('PartitionedCall')]
+
+    def device(op):
+        spec = tf.DeviceSpec.from_string(op.device)
+        return (spec.device_type, spec.device_index)
+
+    assert {device(op) for op in calls} == {('CPU', 0), ('CPU', 1)}, [op.device for op in calls]
+    crossing = [
+        (c.name, op.name)
+        for op in calls
+        for c in op.control_inputs
+        if c.type.endswith('PartitionedCall') and device(c) != device(op)
+    ]
+    assert not crossing, crossing

@@ -213,3 +213,54 @@ def test_keras_variable_value_is_the_backing_tf_variable():
     assert backing(v) is v.value and backing(v.value) is v.value
     v.assign(tf.zeros([3]))
     assert float(tf.reduce_sum(v.value)) == 0.0
+
+
+def test_read_only_resource_inputs_attribute_is_honoured():
+    """Cell calls made by call_op.py carry `_read_only_resource_inputs` (as TF's own
+    tf.function calls do), so that TF's automatic control dependencies do not chain two calls
+    that only read one variable (a tied embedding read on two devices would run them in
+    lockstep). TF honours it: with it, two reading calls get no control edge; without it,
+    the second waits for the first."""
+    v = tf.Variable(tf.ones([3]))
+
+    @tf.function(autograph=False)
+    def read(h):
+        return tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32) * 2.0
+
+    concrete = read.get_concrete_function(tf.TensorSpec([], tf.resource))
+    edges = {}
+
+    @tf.function(autograph=False)
+    def step():
+        graph = tf.compat.v1.get_default_graph()
+        concrete.add_to_graph(graph)
+        out = []
+        for marked in (False, True):
+            ops = []
+            for _ in range(2):
+                attrs = {
+                    'f': tf.compat.v1.AttrValue(func=tf.compat.v1.NameAttrList(name=concrete.name)),
+                    'Tin': tf.compat.v1.AttrValue(
+                        list=tf.compat.v1.AttrValue.ListValue(type=[tf.resource.as_datatype_enum])
+                    ),
+                    'Tout': tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue(type=[1])),
+                }
+                if marked:
+                    attrs['_read_only_resource_inputs'] = tf.compat.v1.AttrValue(
+                        list=tf.compat.v1.AttrValue.ListValue(i=[0])
+                    )
+                op = graph.create_op(
+                    'StatefulPartitionedCall', [v.handle], [tf.float32], attrs=attrs
+                )
+                ops.append(op)
+                out.append(op.outputs[0])
+            edges[marked] = ops
+        return out
+
+    assert all(np.allclose(t, 2.0) for t in step())
+    unmarked, marked = edges[False], edges[True]
+    assert unmarked[0] in unmarked[1].control_inputs, 'TF no longer orders unmarked calls'
+    assert not (set(marked[1].control_inputs) & set(marked)), (
+        'TF no longer honours _read_only_resource_inputs: cell calls that read one variable '
+        'would run one after another across devices (call_op.py)'
+    )

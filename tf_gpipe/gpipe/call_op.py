@@ -55,15 +55,16 @@ def _types(tensors):
     )
 
 
-def call(concrete, args, config_proto=b'', trampolines=None):
+def call(concrete, args, config_proto=b'', trampolines=None, stateful=True):
     """The outputs of one call of `concrete` (a traced function) on the flat tensors `args`
     (its inputs, captures included), shaped as traced. `config_proto`: the call op's options
     (grappler.config_proto). With `trampolines` (a dict the caller keeps), the call goes
     through `concrete`'s trampoline (below), made once and kept there, unless inside
-    `direct_calls()`."""
+    `direct_calls()`. `stateful=False`: a function of its inputs alone (no state read or
+    written)."""
     if trampolines is not None and not getattr(_state, 'direct', False):
         concrete = _trampoline(concrete, args, config_proto, trampolines)
-    return _raw(concrete, args, config_proto)
+    return _raw(concrete, args, config_proto, stateful)
 
 
 def _trampoline(concrete, args, config_proto, cache):
@@ -89,7 +90,49 @@ def _trampoline(concrete, args, config_proto, cache):
     return cache[key]
 
 
-def _raw(concrete, args, config_proto):
+# Ops that only read the resource they take, as TF's automatic control dependencies count
+# them (besides an op whose _read_only_resource_inputs names the input).
+_READ_OPS = frozenset(
+    ['ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape', 'Identity']
+)
+_READ_ONLY = '_read_only_resource_inputs'
+_read_only_cache = {}  # function name -> its read-only resource input indices
+
+
+def read_only_inputs(concrete):
+    """Indices of `concrete`'s resource inputs that its body only reads.
+
+    TF's automatic control dependencies take every resource input of a call op without the
+    `_read_only_resource_inputs` attribute for a write, and order all ops that take the same
+    resource one after another: two cells that read one tied variable on two devices would
+    then run in lockstep. A tf.function call carries the attribute; a call made here carries
+    it too, computed as TF does (every consumer a known read or a call that reads it only),
+    following Identity (a cut part re-captures each handle through one)."""
+    if concrete.name not in _read_only_cache:
+        out = []
+        for i, t in enumerate(concrete.graph.inputs):
+            if t.dtype == tf.resource and _only_read(t):
+                out.append(i)
+        _read_only_cache[concrete.name] = out
+    return _read_only_cache[concrete.name]
+
+
+def _only_read(tensor):
+    for op in tensor.consumers():
+        if op.type == 'Identity':
+            if not _only_read(op.outputs[0]):
+                return False
+        elif op.type not in _READ_OPS:
+            try:
+                indices = op.get_attr(_READ_ONLY)
+            except ValueError:
+                return False
+            if not any(op.inputs[j] is tensor for j in indices):
+                return False
+    return True
+
+
+def _raw(concrete, args, config_proto, stateful=True):
     graph = tf.compat.v1.get_default_graph()
     concrete.add_to_graph(graph)
     outputs = concrete.outputs
@@ -99,9 +142,18 @@ def _raw(concrete, args, config_proto):
         'Tout': _types(outputs),
         'config_proto': tf.compat.v1.AttrValue(s=config_proto),
         _NO_SHAPE_INFERENCE: tf.compat.v1.AttrValue(b=True),
+        _READ_ONLY: tf.compat.v1.AttrValue(
+            list=tf.compat.v1.AttrValue.ListValue(i=read_only_inputs(concrete))
+        ),
     }
+    # A function of its inputs alone (`stateful=False`: the gradient sums) is a PartitionedCall,
+    # which automatic control dependencies leave alone: they chain every stateful op without
+    # a resource input to the one before it, across devices too.
     op = graph.create_op(
-        'StatefulPartitionedCall', list(args), [t.dtype for t in outputs], attrs=attrs
+        'StatefulPartitionedCall' if stateful else 'PartitionedCall',
+        list(args),
+        [t.dtype for t in outputs],
+        attrs=attrs,
     )
     for out, traced in zip(op.outputs, outputs):
         out.set_shape(traced.shape)

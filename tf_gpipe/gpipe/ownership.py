@@ -125,7 +125,7 @@ def _add(traces, refs, previous, grads):
         concrete = traces[key] = _accumulate.get_concrete_function(previous, grads)
     # Grappler has nothing to do in a list of additions: off, as on the cells.
     args = list(previous) + list(grads) + concrete.captured_inputs
-    return call_op.call(concrete, args, grappler.config_proto(False))
+    return call_op.call(concrete, args, grappler.config_proto(False), stateful=False)
 
 
 def _concat(a, b):
