@@ -114,7 +114,17 @@ def memory_grappler_table(results):
 
 def schedules_table(results):
     lines = []
+    # Several benchmark runs (e.g. two versions in turn): each run's tables under its command.
+    several = len({res.get('command') for res in results}) > 1
+    command = None
     for res in results:
+        if several and res.get('command') != command:
+            command = res.get('command')
+            lines += [
+                f'Written {res.get("date", "")} on {res.get("machine", "")}, TF '
+                f'{res.get("tf_version", "")} (`{command}`):',
+                '',
+            ]
         runs = max(r['runs'] for r in res['throughput'])
         lines += [
             f'{res["family"]} (knob {res["knob"]}, {res["config"]}, batch {res["batch_size"]}), '
@@ -132,7 +142,8 @@ def schedules_table(results):
         order = {name: i for i, name in enumerate(res['schedules'])}
         rows = sorted(
             res['throughput'],
-            key=lambda r: (r['num_micro_batches'], r['num_stages'], order[r['schedule']]),
+            # The K=1 row runs fill-drain, which --schedules need not name.
+            key=lambda r: (r['num_micro_batches'], r['num_stages'], order.get(r['schedule'], -1)),
         )
         for r in rows:
             head = (
