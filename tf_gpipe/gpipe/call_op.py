@@ -49,6 +49,14 @@ def direct_calls():
         _state.direct = previous
 
 
+def trace(fn, *args):
+    """`fn` traced for `args` (tensors or TensorSpecs) as a function TF never inlines: one
+    trace to call directly, for helpers whose tf.function would otherwise be asked for its
+    trace with Python values as arguments at every call."""
+    function = tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
+    return function.get_concrete_function(*args)
+
+
 def _types(tensors):
     return tf.compat.v1.AttrValue(
         list=tf.compat.v1.AttrValue.ListValue(type=[t.dtype.as_datatype_enum for t in tensors])
@@ -92,9 +100,7 @@ def _trampoline(concrete, args, config_proto, cache):
 
 # Ops that only read the resource they take, as TF's automatic control dependencies count
 # them (besides an op whose _read_only_resource_inputs names the input).
-_READ_OPS = frozenset(
-    ['ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape', 'Identity']
-)
+_READ_OPS = frozenset(['ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape'])
 _READ_ONLY = '_read_only_resource_inputs'
 _read_only_cache = {}  # function name -> its read-only resource input indices
 

@@ -13,6 +13,7 @@ held a second copy of a micro-batch's activations at its forward (tools/peak_mem
 
 import tensorflow as tf
 
+from tf_gpipe.gpipe import call_op
 from tf_gpipe.runtime import distribute
 
 # Tensors of at least this many elements get a slot of their own (256 KiB of float32: the
@@ -87,38 +88,28 @@ class Packing:
 
     def __init__(self, specs):
         self._in_specs = [tf.TensorSpec(sp.shape, sp.dtype) for sp in specs]
-        layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
-        self.layout = layout
+        self.layout = tuple((tuple(sp.shape.as_list()), sp.dtype) for sp in specs)
         self.dtypes = list(dict.fromkeys(sp.dtype for sp in specs))
         self.specs = [
             tf.TensorSpec([sum(sp.shape.num_elements() for sp in specs if sp.dtype == dt)], dt)
             for dt in self.dtypes
         ]
-        self._pack = self._unpack = None
+        self._traces = {}  # 'pack' / 'unpack' -> its trace
 
     def Pack(self, tensors):
-        if not self.layout:
-            return []
-        if self._pack is None:
-            layout, dtypes = self.layout, tuple(self.dtypes)
-            self._pack = _noinline(lambda *ts: _pack(ts, layout, dtypes)).get_concrete_function(
-                *self._in_specs
-            )
-        return list(self._pack(*tensors))
+        return self._Call('pack', _pack, self._in_specs, tensors)
 
     def Unpack(self, flats):
+        return self._Call('unpack', _unpack, self.specs, flats)
+
+    def _Call(self, way, body, specs, tensors):
+        """body(tensors, layout, dtypes) through its trace for `specs`, made at the first call."""
         if not self.layout:
             return []
-        if self._unpack is None:
+        if way not in self._traces:
             layout, dtypes = self.layout, tuple(self.dtypes)
-            self._unpack = _noinline(lambda *fs: _unpack(fs, layout, dtypes)).get_concrete_function(
-                *self.specs
-            )
-        return list(self._unpack(*flats))
-
-
-def _noinline(fn):
-    return tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
+            self._traces[way] = call_op.trace(lambda *ts: body(ts, layout, dtypes), *specs)
+        return list(self._traces[way](*tensors))
 
 
 def _pack(tensors, layout, dtypes):

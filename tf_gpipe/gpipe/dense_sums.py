@@ -9,7 +9,7 @@ backward, at the peak too (docs/results.md, the tick loop's peak memory table).
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import grappler
+from tf_gpipe.gpipe import call_op, grappler
 
 
 class DenseSums:
@@ -75,17 +75,13 @@ class DenseSums:
 _traces = {}
 
 
-def _noinline(fn):
-    return tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
-
-
 def _trace_get_all(handle, shapes, dtype):
     """_get_all traced for `shapes`, a function of the list alone."""
 
     def _get_all_entries(h):
         return _get_all(h, shapes, dtype)
 
-    return _noinline(_get_all_entries).get_concrete_function(handle)
+    return call_op.trace(_get_all_entries, handle)
 
 
 def _trace_add(handle, grads, at, shapes, dtype):
@@ -94,7 +90,7 @@ def _trace_add(handle, grads, at, shapes, dtype):
     def _add_entries(h, *gs):
         return _add(h, gs, at, shapes, dtype)
 
-    return _noinline(_add_entries).get_concrete_function(handle, *grads)
+    return call_op.trace(_add_entries, handle, *grads)
 
 
 class _Constants:
