@@ -51,7 +51,7 @@ RESULTS := docs/results
 engine-results: $(STAMP)
 	mkdir -p $(RESULTS)
 	TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
-	  --batch_size=4096 --num_micro_batches=8 --activation=RELU \
+	  --batch_size=4096 --num_micro_batches=8 --activation=RELU --notick_loop \
 	  --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --output=$(RESULTS)/peak_memory.json \
 	  > $(RESULTS)/peak_memory.txt
 	TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
@@ -75,7 +75,7 @@ grappler-results: $(STAMP)
 	mkdir -p $(RESULTS)/peak_memory_grappler $(RESULTS)/plan_check_grappler
 	for r in 1 2 3; do for g in nocell_grappler cell_grappler; do \
 	  TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/peak_memory.py --layers=32 --width=256 \
-	    --batch_size=4096 --num_micro_batches=8 --activation=RELU \
+	    --batch_size=4096 --num_micro_batches=8 --activation=RELU --notick_loop \
 	    --schedules=gpipe,1f1b,interleaved_1f1b,zero_bubble --$$g \
 	    --output=$(RESULTS)/peak_memory_grappler/$${g}_$$r.json > /dev/null || exit 1; \
 	  TF_CPU_ALLOCATOR_USE_BFC=true $(PY) tools/plan_check.py --local --configs=$(PLAN_LOCAL) \

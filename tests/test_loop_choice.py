@@ -1,5 +1,6 @@
 """loop_choice.py: which calls run as loops, and a log line once per reason when one cannot."""
 
+import pytest
 import tensorflow as tf
 
 from tf_gpipe import fprop_context, gpipe, layers
@@ -82,3 +83,53 @@ def test_eval_across_tasks_runs_unrolled_by_default(caplog):
         'its cells are on more than one TF task (each tick would cross processes).'
     ]
     assert [r.levelname for r in caplog.records if 'TF task' in r.getMessage()] == ['INFO']
+
+
+def test_the_default_trains_by_loops_from_auto_min_micro_batches_in_one_process(caplog):
+    """tick_loop=None: fewer micro-batches run unrolled without a word; from the threshold on
+    the step is a tick loop (one While op, whatever M)."""
+    a = loop_choice.AUTO_MIN_MICRO_BATCHES
+
+    def whiles(m):
+        pipe = _pipe(m=m, schedule='1f1b')
+        x = tf.ones([2 * m, 3])
+        graph = (
+            tf.function(lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y)))
+            .get_concrete_function()
+            .graph
+        )
+        return sum(op.type in ('While', 'StatelessWhile') for op in graph.get_operations())
+
+    with caplog.at_level('INFO'), caplog.at_level('INFO', 'absl'):
+        assert whiles(a - 1) == 0
+        assert whiles(a) == whiles(2 * a) == 1
+    assert not [r for r in caplog.records if 'runs unrolled' in r.getMessage()]
+
+
+def test_training_across_tasks_runs_unrolled_by_default_and_says_so_at_info(caplog):
+    class Runner:
+        def __init__(self, task):
+            self.device = f'/job:worker/replica:0/task:{task}/device:CPU:0'
+
+    class Run:
+        runners = [Runner(0), Runner(1)]
+        sched = None
+
+    choice = loop_choice.LoopChoice(gpipe.PipelinedLayer.Params().Set(name='pipe'))
+    micro = [tf.ones([2, 3])] * loop_choice.AUTO_MIN_MICRO_BATCHES
+    with tf.Graph().as_default(), caplog.at_level('INFO'), caplog.at_level('INFO', 'absl'):
+        assert choice.Ticks(Run(), [(m,) for m in micro], None, False) is False
+    lines = [r for r in caplog.records if 'TF task' in r.getMessage()]
+    assert [r.getMessage() for r in lines] == [
+        'pipe: tick_loop=None (auto), but this call runs unrolled (its program grows with M): '
+        'its cells are on more than one TF task (each tick would cross processes).'
+    ]
+    assert [r.levelname for r in lines] == ['INFO']
+
+
+@pytest.mark.parametrize('name', ['tick_loop', 'eval_loop'])
+def test_a_loop_param_is_none_true_or_false(name):
+    with pytest.raises(
+        ValueError, match=f"{name} must be None \\(auto\\), True or False, got 'yes'"
+    ):
+        _pipe(**{name: 'yes'})

@@ -262,7 +262,8 @@ class CountingLayer(base_layer.BaseLayer):
 def test_forward_counts(policy, recomputes):
     """Each cell's forward runs M times plus exactly the recomputes its policy implies."""
     sub = [CountingLayer.Params().Set(name=f'c{i}') for i in range(3)]
-    pipe = _pipe(sub, 3, 4, policy)
+    # The unrolled executor's counts (FProp's loops run 'except_last' as 'always').
+    pipe = _pipe(sub, 3, 4, policy, tick_loop=False)
     x = tf.ones([8, 2])
 
     @tf.function

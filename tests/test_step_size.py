@@ -1,5 +1,6 @@
 """The step's program does not grow with M beyond a constant per micro-batch, whatever L
-(the unrolled executor, tick_loop=False, the default), and not at all (the tick loop).
+(the unrolled executor, tick_loop=False), and not at all (the tick loop, tick_loop=True, and
+the default, tick_loop=None, from loop_choice.AUTO_MIN_MICRO_BATCHES micro-batches on).
 
 Counted, not timed: the nodes of a traced `ComputeGradients` step (outer graph; the function
 library holds each cell's F, B and W once) at two M and two L, for every schedule and policy;
@@ -12,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from tf_gpipe import fprop_context, gpipe, layers
+from tf_gpipe.gpipe import loop_choice
 
 K = 2
 
@@ -61,6 +63,24 @@ def test_nodes_per_micro_batch_do_not_depend_on_the_layers(schedule, policy, loo
     assert per_mb_few <= 40 * K, counts  # a small constant per micro-batch, not a cell body
     if loop:
         assert per_mb_few == 0, counts  # micro-batches are iterations
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'interleaved_1f1b', 'zero_bubble'])
+def test_the_default_step_does_not_grow_from_auto_min_micro_batches_on(schedule):
+    """tick_loop=None (the default) in one process: below AUTO_MIN_MICRO_BATCHES the unrolled
+    step (a constant per micro-batch), from it on the loop, whose program is the same at any M."""
+    a = loop_choice.AUTO_MIN_MICRO_BATCHES
+    few, many = 4, 8
+    counts = {
+        (n, m): _nodes(n, m, schedule, 'except_last', None)
+        for n in (few, many)
+        for m in (a // 2, a, 2 * a)
+    }
+    for n in (few, many):
+        assert counts[n, a] == counts[n, 2 * a], counts  # micro-batches are iterations
+    # Below the threshold the unrolled executor's step, from it on the tick loop's.
+    assert counts[few, a // 2] == _nodes(few, a // 2, schedule, 'except_last', False), counts
+    assert counts[few, a] == _nodes(few, a, schedule, 'except_last', True), counts
 
 
 def _call_nodes(num_layers, m, call, loop):

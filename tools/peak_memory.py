@@ -37,7 +37,10 @@ VIRTUAL = flags.DEFINE_integer('virtual_stages', 2, 'v of an interleaved_1f1b ro
 OUTPUT = flags.DEFINE_string('output', '', 'Also write the JSON result to this file.')
 JSON = flags.DEFINE_bool('json', False, 'Print JSON instead of a table.')
 TICK_LOOP = flags.DEFINE_bool(
-    'tick_loop', False, 'PipelinedLayer.tick_loop for the ComputeGradients rows (the tick loop).'
+    'tick_loop',
+    None,
+    "PipelinedLayer.tick_loop (default: the library's, None: the loops in this one process): "
+    '--tick_loop the loops, --notick_loop the unrolled executor.',
 )
 CELL_GRAPPLER = flags.DEFINE_bool(
     'cell_grappler',
@@ -172,11 +175,13 @@ def measure():
 
 
 def main(_):
-    from bench_common import run_metadata
+    from bench_common import library_default, run_metadata
 
-    result = dict(
-        measure(), tick_loop=TICK_LOOP.value, cell_grappler=CELL_GRAPPLER.value, **run_metadata()
+    # One process: the library's default (None) runs the loops wherever they can run.
+    loop = (
+        TICK_LOOP.value is not False and library_default('tick_loop', TICK_LOOP.value) is not False
     )
+    result = dict(measure(), tick_loop=loop, cell_grappler=CELL_GRAPPLER.value, **run_metadata())
     if OUTPUT.value:
         from bench_common import write_json
 

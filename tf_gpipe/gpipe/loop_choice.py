@@ -1,13 +1,15 @@
 """Which of a pipeline's calls run as loops over ticks, and the log line when one cannot.
 
-A call runs as a loop when its params ask for it (`tick_loop` for training, `eval_loop` for
-eval) and the loop can run it; otherwise it runs unrolled (one call per action, its program
-growing with M) and the log says why, once per reason.
+A call runs as a loop when its params let it (`tick_loop` for training, `eval_loop` for
+eval: None, the default, or True) and the loop can run it; None asks for at least
+AUTO_MIN_MICRO_BATCHES micro-batches in training, two in eval. Otherwise it runs unrolled (one
+call per action, its program growing with M) and the log says why, once per reason: at INFO
+where the default expects it (across TF tasks, eager), else a warning.
 
 Across processes (cells on more than one TF task) every tick of a loop crosses between them, and
 its steady step is much slower than the unrolled one's (docs/results.md, measured on single-core
-workers): eval's loop by default (`eval_loop=None`) then runs unrolled; a loop asked for
-explicitly (`tick_loop=True`, `eval_loop=True`) still runs and the log says what it costs.
+workers): by default (None) a call then runs unrolled; a loop asked for explicitly
+(`tick_loop=True`, `eval_loop=True`) still runs and the log says what it costs.
 """
 
 import tensorflow as tf
@@ -16,6 +18,12 @@ from absl import logging
 from tf_gpipe.gpipe import backward_loop, forward_loop, tick_loop
 
 ACROSS_TASKS = 'its cells are on more than one TF task (each tick would cross processes)'
+EAGER = tick_loop.EAGER
+# tick_loop=None runs a training step's loops from this many micro-batches on. Below it the
+# unrolled step is small (at most this many calls per cell) and starts about as fast as the
+# loop, while the loop's per-tick work slows every steady step (docs/engine.md, "Start-up:
+# the tick loop"; measured at K=2..8, L=8 and 16, M=4 and 8).
+AUTO_MIN_MICRO_BATCHES = 8
 
 
 def spans_tasks(devices):
@@ -41,10 +49,12 @@ class LoopChoice:
         """Runs executor `run`'s schedule as a tick loop (ComputeGradients) when it can: its
         losses, outputs and sums set as the executor would; False when it runs unrolled."""
         p = self.params
-        if not p.tick_loop:
+        if p.tick_loop is False or (p.tick_loop is None and len(micro) < AUTO_MIN_MICRO_BATCHES):
             return False
         targets = None if targets is None or targets[0] is None else targets
         why = tick_loop.unsupported(run.sched, p.recompute, micro, targets)
+        if why is None and p.tick_loop is None and spans_tasks([r.device for r in run.runners]):
+            why = ACROSS_TASKS
         if why is None:
             loop = tick_loop.TickLoop(
                 run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
@@ -67,9 +77,7 @@ class LoopChoice:
             return None  # one micro-batch: one call per cell either way
         why = forward_loop.unsupported(micro)
         if why is None and p.eval_loop is None and spans_tasks([r.device for r in runners]):
-            # By default the faster steady step: not a surprise, said at INFO.
-            self._Unrolled('eval_loop', ACROSS_TASKS, logging.info)
-            return None
+            why = ACROSS_TASKS
         if why is None:
             loop = forward_loop.ForwardLoop(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
@@ -86,11 +94,15 @@ class LoopChoice:
         """One replica's training FProp as a forward and a backward loop, its forward run
         (`outputs` set); None when it runs unrolled."""
         p = self.params
-        if not p.tick_loop or len(micro) == 1:
+        if p.tick_loop is False or len(micro) == 1:
+            return None
+        if p.tick_loop is None and len(micro) < AUTO_MIN_MICRO_BATCHES:
             return None
         why = forward_loop.unsupported(micro)
         if why is None and p.recompute == 'never':
             why = "recompute='never' (the loops keep each cell's input only, as 'always')"
+        if why is None and p.tick_loop is None and spans_tasks([r.device for r in runners]):
+            why = ACROSS_TASKS
         if why is None:
             loops = backward_loop.FillDrain(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
@@ -117,10 +129,13 @@ class LoopChoice:
                 'None' if param == 'eval_loop' else 'False',
             )
 
-    def _Unrolled(self, param, why, log=logging.warning):
+    def _Unrolled(self, param, why):
+        """Logs once per reason that a call runs unrolled: a warning, but at INFO where the
+        default (None) expects it (across TF tasks; eager, which builds no program)."""
         if (param, why) not in self._reasons:
             self._reasons.add((param, why))
-            log(
+            expected = getattr(self.params, param) is None and why in (ACROSS_TASKS, EAGER)
+            (logging.info if expected else logging.warning)(
                 '%s: %s=%s, but this call runs unrolled (its program grows with M): %s.',
                 self.params.name,
                 param,

@@ -96,13 +96,15 @@ class PipelinedLayer(base_layer.BaseLayer):
         )
         p.Define(
             'tick_loop',
-            False,
+            None,
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks, and '
             "gpipe's FProp under a tape as a forward and a backward loop: a program and "
-            'start-up flat in M (tick_loop.py, backward_loop.py), for now a slower steady step '
-            'and a higher peak memory. False, or a step it cannot run (eager, uneven micro-batches; '
-            'said in the log): the unrolled executor, one call per action, its '
-            'program growing with M.',
+            'start-up flat in M (tick_loop.py, backward_loop.py). None (auto, the default): '
+            'the loops when the cells are in one process, the unrolled executor (one call per '
+            'action, its program growing with M) when they span TF tasks, where each tick would '
+            'cross processes (slower). True: the loops wherever they can run; False: unrolled. '
+            'A step no loop can run (eager, uneven micro-batches, one micro-batch, '
+            "FProp with recompute='never') runs unrolled; the log says why.",
         )
         p.Define(
             'eval_loop',
@@ -125,6 +127,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         base_layer.check_positive(p, 'num_micro_batches')
         base_layer.check_positive(p, 'num_replicas')
         base_layer.check_positive(p, 'virtual_stages')
+        for name in ('tick_loop', 'eval_loop'):
+            if getattr(p, name) not in (None, True, False):
+                raise ValueError(
+                    f'{p.name}: {name} must be None (auto), True or False, got '
+                    f'{getattr(p, name)!r}.'
+                )
         cell_params, self._splits, self._sub = self.CellParams(p)
         if len(cell_params) % p.virtual_stages:
             raise ValueError(

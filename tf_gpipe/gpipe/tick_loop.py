@@ -54,12 +54,13 @@ _FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
 # A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
 _KEPT = {FORWARD: 'FK', BACKWARD: 'BK', WEIGHT: 'WK'}
 _STEP_SPEC = tf.TensorSpec([], tf.int64)  # the step's and the micro-batch number's spec
+EAGER = 'eager execution'
 
 
 def unsupported(sched, policy, micro_inputs, micro_targets):
     """Why this step cannot run as a tick loop (the unrolled executor runs it), or None."""
     if tf.executing_eagerly():
-        return 'eager execution'
+        return EAGER
     if trace.recording():
         return 'a timeline is being recorded'
     for micro in (micro_inputs, micro_targets):

@@ -65,7 +65,8 @@ class GPipeModel(TrainSteps, keras.Model):
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
       tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop):
-        start-up flat in M, for now a slower steady step and more memory.
+        start-up flat in M. None (the default): the loop when the devices are in one process,
+        not across TF tasks (slower there); True / False: always / never.
       eval_loop: run evaluate() and predict() as a loop over ticks (PipelinedLayer.eval_loop):
         start-up flat in M, a steady step about 1.1x the unrolled one's with tiny layers.
         None (the default): the loop when the devices are in one process, not across TF
@@ -89,7 +90,7 @@ class GPipeModel(TrainSteps, keras.Model):
         devices=None,
         partition_by='flops',
         jit_compile=False,
-        tick_loop=False,
+        tick_loop=None,
         eval_loop=None,
         cell_grappler=False,
         input_shape=None,

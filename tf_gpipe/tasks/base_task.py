@@ -32,9 +32,10 @@ def PipelineParams():
     )
     p.Define(
         'tick_loop',
-        False,
-        'The training step as a loop over clock ticks: start-up flat in M, for now a slower '
-        'steady step and more memory (PipelinedLayer.tick_loop).',
+        None,
+        'The training step as a loop over clock ticks: start-up flat in M. None: in one '
+        'process yes, across TF tasks no (slower there); True / False: always / never '
+        '(PipelinedLayer.tick_loop).',
     )
     p.Define(
         'eval_loop',
