@@ -3,7 +3,7 @@ graph size and steady step, over K, M, L and the schedules.
 
     python tools/startup.py --output=/tmp/grid.json   # the whole grid (hours; `make startup-grid`)
     python tools/startup.py --num_stages=4 --micro_batches=4,32 --layers=16 --schedules=1f1b
-    python tools/startup.py --notick_loop ...   # the unrolled executor (the library default)
+    python tools/startup.py --notick_loop ...   # the unrolled executor (tick_loop=False)
     python tools/startup.py --compare_unrolled --dim=256 ...   # both engines, larger cells
     python tools/startup.py --measure=eval --compare_unrolled ...   # eval's forward (FProp)
     python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
@@ -45,8 +45,8 @@ POLICY = flags.DEFINE_enum(
 TICK_LOOP = flags.DEFINE_bool(
     'tick_loop',
     True,
-    'PipelinedLayer.tick_loop: the schedule as a loop over clock ticks (opt-in in the '
-    'library); --notick_loop: the unrolled executor (the library default).',
+    'PipelinedLayer.tick_loop=True: the schedule as a loop over clock ticks (the library '
+    "default's choice from M=8 in one process); --notick_loop: the unrolled executor.",
 )
 TWINS = flags.DEFINE_bool(
     'twin_cells',
