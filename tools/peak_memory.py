@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 from tf_gpipe import gpipe, layers  # noqa: E402
-from tf_gpipe.gpipe import schedules  # noqa: E402
+from tf_gpipe.gpipe import loop_choice, schedules  # noqa: E402
 from tf_gpipe.runtime import memory  # noqa: E402
 
 LAYERS = flags.DEFINE_integer('layers', 32, 'FC layers in the stack.')
@@ -177,10 +177,9 @@ def measure():
 def main(_):
     from bench_common import library_default, run_metadata
 
-    # One process: the library's default (None) runs the loops wherever they can run.
-    loop = (
-        TICK_LOOP.value is not False and library_default('tick_loop', TICK_LOOP.value) is not False
-    )
+    # One process: the library's default (None) runs the loops from AUTO_MIN_MICRO_BATCHES on.
+    asked = library_default('tick_loop', TICK_LOOP.value)
+    loop = asked is True or (asked is None and MICRO.value >= loop_choice.AUTO_MIN_MICRO_BATCHES)
     result = dict(measure(), tick_loop=loop, cell_grappler=CELL_GRAPPLER.value, **run_metadata())
     if OUTPUT.value:
         from bench_common import write_json

@@ -16,14 +16,14 @@ import tensorflow as tf
 
 from tf_gpipe.gpipe import packed_handles, trace, unordered
 from tf_gpipe.gpipe.opaque import opaque
-from tf_gpipe.gpipe.tick_loop import beside_input, run_on, same_specs, spec_of
+from tf_gpipe.gpipe.tick_loop import EAGER, beside_input, run_on, same_specs, spec_of
 from tf_gpipe.runtime import distribute
 
 
 def unsupported(micro_inputs):
     """Why the waves cannot run as loops (the unrolled executor runs them), or None."""
     if tf.executing_eagerly():
-        return 'eager execution'
+        return EAGER
     if trace.recording():
         return 'a timeline is being recorded'
     first = [spec_of(t) for t in tf.nest.flatten(micro_inputs[0])]

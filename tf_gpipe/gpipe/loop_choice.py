@@ -22,7 +22,7 @@ EAGER = tick_loop.EAGER
 # tick_loop=None runs a training step's loops from this many micro-batches on. Below it the
 # unrolled step is small (at most this many calls per cell) and starts about as fast as the
 # loop, while the loop's per-tick work slows every steady step (docs/engine.md, "Start-up:
-# the tick loop"; measured at K=2..8, L=8 and 16, M=4 and 8).
+# the tick loop"; measured at K=4, L=16, M=4: docs/results/startup_default_m4.json).
 AUTO_MIN_MICRO_BATCHES = 8
 
 
@@ -49,12 +49,11 @@ class LoopChoice:
         """Runs executor `run`'s schedule as a tick loop (ComputeGradients) when it can: its
         losses, outputs and sums set as the executor would; False when it runs unrolled."""
         p = self.params
-        if p.tick_loop is False or (p.tick_loop is None and len(micro) < AUTO_MIN_MICRO_BATCHES):
+        if p.tick_loop is False or _too_few_for_auto(p.tick_loop, micro):
             return False
         targets = None if targets is None or targets[0] is None else targets
         why = tick_loop.unsupported(run.sched, p.recompute, micro, targets)
-        if why is None and p.tick_loop is None and spans_tasks([r.device for r in run.runners]):
-            why = ACROSS_TASKS
+        why = why or _across_tasks_for_auto(p.tick_loop, run.runners)
         if why is None:
             loop = tick_loop.TickLoop(
                 run.runners, run.sched, p.recompute, run.step, run.seed_base, run.sums
@@ -75,9 +74,7 @@ class LoopChoice:
         p = self.params
         if p.eval_loop is False or len(micro) == 1:
             return None  # one micro-batch: one call per cell either way
-        why = forward_loop.unsupported(micro)
-        if why is None and p.eval_loop is None and spans_tasks([r.device for r in runners]):
-            why = ACROSS_TASKS
+        why = forward_loop.unsupported(micro) or _across_tasks_for_auto(p.eval_loop, runners)
         if why is None:
             loop = forward_loop.ForwardLoop(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
@@ -94,15 +91,12 @@ class LoopChoice:
         """One replica's training FProp as a forward and a backward loop, its forward run
         (`outputs` set); None when it runs unrolled."""
         p = self.params
-        if p.tick_loop is False or len(micro) == 1:
-            return None
-        if p.tick_loop is None and len(micro) < AUTO_MIN_MICRO_BATCHES:
+        if p.tick_loop is False or len(micro) == 1 or _too_few_for_auto(p.tick_loop, micro):
             return None
         why = forward_loop.unsupported(micro)
         if why is None and p.recompute == 'never':
             why = "recompute='never' (the loops keep each cell's input only, as 'always')"
-        if why is None and p.tick_loop is None and spans_tasks([r.device for r in runners]):
-            why = ACROSS_TASKS
+        why = why or _across_tasks_for_auto(p.tick_loop, runners)
         if why is None:
             loops = backward_loop.FillDrain(runners, sched.device_of, step, seed_base, p.batch_dim)
             try:
@@ -142,6 +136,18 @@ class LoopChoice:
                 _value(getattr(self.params, param)),
                 why,
             )
+
+
+def _too_few_for_auto(value, micro):
+    """Whether the default (None) leaves a training step of these micro-batches unrolled."""
+    return value is None and len(micro) < AUTO_MIN_MICRO_BATCHES
+
+
+def _across_tasks_for_auto(value, runners):
+    """ACROSS_TASKS when the default (None) declines a loop over these cells, else None."""
+    if value is None and spans_tasks([r.device for r in runners]):
+        return ACROSS_TASKS
+    return None
 
 
 def _value(v):

@@ -100,11 +100,13 @@ class PipelinedLayer(base_layer.BaseLayer):
             'ComputeGradients runs the schedule as a tf.while_loop over clock ticks, and '
             "gpipe's FProp under a tape as a forward and a backward loop: a program and "
             'start-up flat in M (tick_loop.py, backward_loop.py). None (auto, the default): '
-            'the loops when the cells are in one process, the unrolled executor (one call per '
-            'action, its program growing with M) when they span TF tasks, where each tick would '
-            'cross processes (slower). True: the loops wherever they can run; False: unrolled. '
-            'A step no loop can run (eager, uneven micro-batches, one micro-batch, '
-            "FProp with recompute='never') runs unrolled; the log says why.",
+            'the loops for a step of at least loop_choice.AUTO_MIN_MICRO_BATCHES (8) '
+            'micro-batches whose cells are in one process; otherwise the unrolled executor (one '
+            'call per action, its program growing with M): fewer micro-batches start as fast '
+            'and step faster unrolled, and across TF tasks each tick would cross processes. '
+            'True: the loops wherever they can run; False: unrolled. A step no loop can run '
+            "(eager, uneven micro-batches, FProp with recompute='never') runs unrolled; the "
+            'log says why.',
         )
         p.Define(
             'eval_loop',

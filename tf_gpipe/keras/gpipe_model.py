@@ -65,8 +65,9 @@ class GPipeModel(TrainSteps, keras.Model):
       partition_by: 'flops' | 'params' | 'activation_bytes' | 'uniform' | 'time'.
       jit_compile: compile each cell's forward and backward with XLA.
       tick_loop: run a training step as a loop over clock ticks (PipelinedLayer.tick_loop):
-        start-up flat in M. None (the default): the loop when the devices are in one process,
-        not across TF tasks (slower there); True / False: always / never.
+        start-up flat in M. None (the default): the loop from 8 micro-batches on when the
+        devices are in one process, not across TF tasks (slower there); True / False: always /
+        never.
       eval_loop: run evaluate() and predict() as a loop over ticks (PipelinedLayer.eval_loop):
         start-up flat in M, a steady step about 1.1x the unrolled one's with tiny layers.
         None (the default): the loop when the devices are in one process, not across TF

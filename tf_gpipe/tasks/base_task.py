@@ -33,9 +33,9 @@ def PipelineParams():
     p.Define(
         'tick_loop',
         None,
-        'The training step as a loop over clock ticks: start-up flat in M. None: in one '
-        'process yes, across TF tasks no (slower there); True / False: always / never '
-        '(PipelinedLayer.tick_loop).',
+        'The training step as a loop over clock ticks: start-up flat in M. None: from 8 '
+        'micro-batches on in one process, not across TF tasks (slower there); True / False: '
+        'always / never (PipelinedLayer.tick_loop).',
     )
     p.Define(
         'eval_loop',
