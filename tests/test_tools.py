@@ -279,6 +279,34 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     assert '| 2 | 2 | zero_bubble |' in printed and 'unrolled at M=max' in printed
 
 
+def test_startup_runs_without_grappler_on_the_step_when_asked(tmp_path):
+    """--nostep_grappler: the experiment's rows say (as TF reports its options in the child)
+    that Grappler was off for the plain step and the pipeline's alike; by default it is on."""
+    rows = {}
+    for flag in ('--nostep_grappler', '--step_grappler'):
+        out = tmp_path / f'{flag}.json'
+        printed = _run(
+            [
+                'tools/startup.py',
+                flag,
+                '--num_stages=2',
+                '--layers=2',
+                '--micro_batches=2',
+                '--schedules=1f1b',
+                '--steps=1',
+                '--batch_size=8',
+                f'--output={out}',
+            ],
+            timeout=600,
+        )
+        result = json.loads(out.read_text())
+        rows[flag] = result['rows']
+        assert ('Grappler off in the whole process' in printed) == (flag == '--nostep_grappler')
+    assert sorted(r['kind'] for r in rows['--nostep_grappler']) == ['pipeline', 'plain']
+    assert all(r['step_grappler'] is False for r in rows['--nostep_grappler'])
+    assert all(r['step_grappler'] is True for r in rows['--step_grappler'])
+
+
 def test_demo_results_measures_both_demos(tmp_path):
     """The tool behind the quick start's table, on a few steps: its file renders as the table."""
     out = tmp_path / 'demos.json'

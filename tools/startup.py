@@ -60,6 +60,13 @@ CELL_GRAPPLER = flags.DEFINE_bool(
     "PipelinedLayer.cell_grappler (default: the library's): --cell_grappler runs Grappler "
     "on the cells' functions too, a longer first call.",
 )
+STEP_GRAPPLER = flags.DEFINE_bool(
+    'step_grappler',
+    True,
+    "--nostep_grappler: Grappler off for the whole process, the plain step's and the "
+    "pipeline's step's own graphs too (an experiment, not a library setting: what Grappler's "
+    'pass over a step costs at its first call).',
+)
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
     False,
@@ -164,13 +171,24 @@ def _steady_rounds(measured):
         row.update(steady_s=float(sorted(seen)[len(seen) // 2]), steady_all=seen)
 
 
+def _step_grappler():
+    """--nostep_grappler: Grappler off for every graph this process runs (set once TF's
+    devices are configured)."""
+    if not STEP_GRAPPLER.value:
+        import tensorflow as tf
+
+        tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
+
+
 def _child(spec):
     k, num_layers, m = (int(v) for v in spec.split(','))
     from tf_gpipe.runtime import cluster, local_cluster
 
     if not WORKERS.value:
         cluster.logical_cpus(k)
+        _step_grappler()
         return _measure_all(k, num_layers, m, None)
+    _step_grappler()
     cores = os.cpu_count() or 1
     with local_cluster.LocalCluster(k, cores=[i % cores for i in range(k)]) as workers:
         _measure_all(k, num_layers, m, workers.connect().devices())
@@ -256,8 +274,10 @@ def _measure_all(k, num_layers, m, devices):
         measured[-1][0].update(kind=kind, schedule=schedule)
     _steady_rounds(measured)
     rows = [row for row, _ in measured]
+    # As TF reports it, not as asked: whether Grappler ran on this process's graphs.
+    off = bool(tf.config.optimizer.get_experimental_options().get('disable_meta_optimizer'))
     for r in rows:
-        r.update(num_stages=k, layers=num_layers, num_micro_batches=m)
+        r.update(num_stages=k, layers=num_layers, num_micro_batches=m, step_grappler=not off)
     print(json.dumps(rows))
 
 
@@ -406,6 +426,7 @@ def main(argv):
                     f'--schedules={schedule}',
                     f'--recompute={POLICY.value}',
                     f'--tick_loop={TICK_LOOP.value}',
+                    f'--step_grappler={STEP_GRAPPLER.value}',
                     *bench_common.given(TWINS, CELL_GRAPPLER),
                     f'--compare_unrolled={COMPARE.value}',
                     f'--steps={STEPS.value}',
@@ -443,6 +464,11 @@ def main(argv):
             else 'tick loop (tick_loop=True)'
             if TICK_LOOP.value
             else 'unrolled (tick_loop=False)'
+        )
+        + (
+            ''
+            if STEP_GRAPPLER.value
+            else ', Grappler off in the whole process (the plain step too)'
         ),
         model=(
             f'Transformer d={DIM.value}, {HEADS} heads, hidden {2 * DIM.value}, '
