@@ -214,6 +214,10 @@ def test_results_table_leaves_every_page_whole_when_a_file_is_missing(tmp_path, 
     assert page.read_text() == text and good.read_text() == before
 
 
+# tools/startup.py at its smallest: K=2 cells of one layer each, one timed steady step.
+_STARTUP_SMALL = ['tools/startup.py', '--num_stages=2', '--layers=2', '--steps=1', '--batch_size=8']
+
+
 def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     """tools/startup.py at the smallest scale: every (K, L, M) and schedule in its own
     process, the plain step and the unrolled executor measured there too, the summary's ratios
@@ -221,15 +225,11 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     out = tmp_path / 'startup.json'
     printed = _run(
         [
-            'tools/startup.py',
+            *_STARTUP_SMALL,
             '--tick_loop',
             '--compare_unrolled',
-            '--num_stages=2',
-            '--layers=2',
             '--micro_batches=2,4',
             '--schedules=1f1b,zero_bubble',
-            '--steps=1',
-            '--batch_size=8',
             f'--output={out}',
         ],
         timeout=600,
@@ -286,17 +286,7 @@ def test_startup_runs_without_grappler_on_the_step_when_asked(tmp_path):
     for flag in ('--nostep_grappler', '--step_grappler'):
         out = tmp_path / f'{flag}.json'
         printed = _run(
-            [
-                'tools/startup.py',
-                flag,
-                '--num_stages=2',
-                '--layers=2',
-                '--micro_batches=2',
-                '--schedules=1f1b',
-                '--steps=1',
-                '--batch_size=8',
-                f'--output={out}',
-            ],
+            [*_STARTUP_SMALL, flag, '--micro_batches=2', '--schedules=1f1b', f'--output={out}'],
             timeout=600,
         )
         result = json.loads(out.read_text())
