@@ -218,18 +218,40 @@ def test_except_last_recomputes_what_would_wait_across_ticks():
     assert len(loop('gpipe', 'never').carried) == 7  # all but the last cell's last one (fused)
 
 
+def test_zero_bubble_last_cell_runs_f_and_b_as_one_call():
+    """Zero-bubble's last cell does B right after F: one call for both (the loss's gradient is
+    known at F), so only W's feeds cross ticks to its W; the other cells keep F, B and W."""
+
+    def kinds(policy):
+        loop = tick_loop.TickLoop(None, schedules.build('zero_bubble', 2, 4), policy, 0, 0, None)
+        assert loop.fused_kept == {(1, m) for m in range(4)}
+        return {key for row in loop._Table() for key in ((k, s) for k, s, _ in row)}
+
+    last = {key for key in kinds('except_last') if key[1] == 1}
+    assert last == {('FBK', 1), ('WK', 1)}
+    assert {('FK', 0), ('BK', 0), ('WK', 0)} <= kinds('never')
+
+
 @pytest.mark.parametrize(
-    'schedule,policy,last_traces',
-    [('1f1b', 'except_last', 1), ('1f1b', 'always', 2), ('gpipe', 'except_last', 2)],
+    'schedule,policy,first_traces,last_traces',
+    [
+        ('1f1b', 'except_last', 2, 1),
+        ('1f1b', 'always', 2, 2),
+        ('gpipe', 'except_last', 2, 2),
+        ('zero_bubble', 'except_last', 2, 1),
+        ('1f1b', 'never', 1, 1),
+        ('zero_bubble', 'never', 1, 1),
+    ],
 )
 def test_a_cell_is_traced_only_for_the_calls_its_branches_make(
-    schedule, policy, last_traces, monkeypatch
+    schedule, policy, first_traces, last_traces, monkeypatch
 ):
     """1F1B's last cell under 'except_last' runs only fused forward-and-backward calls: its
     outputs' specs come from that trace, with no forward traced for nothing (a cell's trace
-    is most of the loop's). Where the cell also runs forwards, each is traced once: 'always',
-    forward and recompute; gpipe's fill-drain, forward and fused, whose trace its recomputes
-    call (test_fused_backward.py)."""
+    is most of the loop's). A cell that runs only kept calls (zero-bubble's last; every cell
+    under 'never') is traced once, for its F, B and W cut from that trace. Where the cell also
+    runs forwards, each is traced once: 'always', forward and recompute; gpipe's fill-drain,
+    forward and fused, whose trace its recomputes call (test_fused_backward.py)."""
     calls = []
     fprop = layers.FCLayer.FProp
     monkeypatch.setattr(
@@ -239,4 +261,4 @@ def test_a_cell_is_traced_only_for_the_calls_its_branches_make(
     x = tf.random.stateless_normal([8, 6], [1, 2])
     tf.function(lambda x: pipe.ComputeGradients(x, x, _loss)).get_concrete_function(x)
     assert calls.count('fc3') == last_traces  # fc3 is the last cell's last layer
-    assert calls.count('fc0') == 2  # the first cell: its forward and its recompute
+    assert calls.count('fc0') == first_traces  # the first cell: forward and recompute, or F/B/W

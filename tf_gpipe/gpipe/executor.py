@@ -56,13 +56,15 @@ def kept_micro_batches(sched, policy):
     return kept
 
 
-def fusable(sched, kept):
+def fusable(sched, kept, split=False):
     """{(stage, m)} of kept micro-batches whose B directly follows their F on the last stage:
-    one call does both (its activations live only inside it, freed as its backward goes)."""
+    one call does both (its activations live only inside it, freed as its backward goes).
+    A split backward's W stays apart from B: none, unless `split` (the caller's fused call
+    does F and B only, and W later)."""
     last = sched.num_stages - 1
     out = set()
-    if sched.split_backward:
-        return out  # zero-bubble's W must stay apart from B
+    if sched.split_backward and not split:
+        return out
     for acts in sched.actions:
         for a, b in zip(acts, acts[1:]):
             if (

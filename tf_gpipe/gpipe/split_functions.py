@@ -10,7 +10,9 @@ per use), made by `tf.compat.v1.wrap_function`. `graph_cut.py` cuts it into thre
 - W: what W reads -> the split variables' gradients.
 
 So a kept micro-batch adds three calls to the step, whatever the cell's size, and W stays
-local. Built once per cell and input signature.
+local; two on a cell whose output gradient is known at F (the last, with the loss): F and B
+as one call (`ForwardBackward`), which returns W's feeds, so that nothing else is carried.
+Built once per cell and input signature.
 
 `wrap_function` adds no automatic control dependencies, so the cut is refused (`build` returns
 None and the caller falls back to an unsplit B) when the forward writes a resource that it also
@@ -60,6 +62,7 @@ class SplitFunctions:
         self._source = graph_cut.Source(wrapped.graph)
         self.forward = self._Cut('forward', args, self.flat_outputs + fetched + parts['stateful'])
         self._backward = {}
+        self._forward_backward = {}
         w_fetch = parts['d_split']
         self.weights = (
             self._Cut('weights', parts['w_feeds'], w_fetch, after=True) if w_fetch else None
@@ -90,6 +93,36 @@ class SplitFunctions:
             self._backward[want_inputs] = fn
         return self._backward[want_inputs]
 
+    def ForwardBackward(self, flat_args, want_inputs):
+        """F and B of one micro-batch in one call, for a cell whose output gradients are known
+        up front (the last, with its loss): (outputs, d_x if wanted, d_unsplit, W's feeds).
+        Nothing passes from F to B but inside the call; only what W reads is carried."""
+        p = self._parts
+        if p['dy_phs']:
+            raise ValueError('split_functions: F and B in one call need the output gradients')
+        if want_inputs not in self._forward_backward:
+            arg_index = {t.ref(): i for i, t in enumerate(p['args'])}
+            w_fetched = [t for t in p['w_feeds'] if t.ref() not in arg_index]
+            d_x = p['d_x'] if want_inputs else []
+            fetch = self.flat_outputs + d_x + _flat_grads(p['d_unsplit']) + w_fetched
+            fn = self._Cut('forward_backward', p['args'], fetch + p['stateful'])
+            w_args = [arg_index.get(t.ref()) for t in p['w_feeds']]
+            self._forward_backward[want_inputs] = (fn, len(d_x), w_args)
+        fn, n_x, w_args = self._forward_backward[want_inputs]
+        results = _as_list(fn(*flat_args))
+        n, n_u = len(self.flat_outputs), len(_flat_grads(p['d_unsplit']))
+        outputs = tf.nest.pack_sequence_as(p['outputs'], results[:n])
+        d_x, flat_u = results[n : n + n_x], results[n + n_x : n + n_x + n_u]
+        fetched = iter(results[n + n_x + n_u :])
+        w_feeds = [flat_args[i] if i is not None else next(fetched) for i in w_args]
+        d_unsplit = _pack_grads(p['d_unsplit'], flat_u, self.unsplit_variables)
+        return outputs, d_x, d_unsplit, w_feeds
+
+    @property
+    def weight_feeds(self):
+        """The tensors of the trace W reads, in the order `Weights` takes them."""
+        return self._parts['w_feeds']
+
     def Backward(self, residuals, flat_dys, want_inputs):
         """(d_x, d_unsplit, W's feeds) from the residuals and the output gradients."""
         p = self._parts
@@ -100,6 +133,11 @@ class SplitFunctions:
         d_x, flat_u, b_to_w = results[:n_x], results[n_x : n_x + n_u], results[n_x + n_u :]
         d_unsplit = _pack_grads(p['d_unsplit'], flat_u, self.unsplit_variables)
         return d_x, d_unsplit, self.WeightFeeds(residuals, flat_dys, b_to_w)
+
+    @property
+    def structured_outputs(self):
+        """The cell's outputs as F returns them (tensors of the trace, for their specs)."""
+        return self._parts['outputs']
 
     @property
     def b_to_w(self):

@@ -53,6 +53,9 @@ DELAY = 2
 _FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
 # A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
 _KEPT = {FORWARD: 'FK', BACKWARD: 'BK', WEIGHT: 'WK'}
+# Zero-bubble's last stage, B right after F: both in one call, only W's feeds carried to WK.
+_FBK = 'FBK'
+_KEPT_KINDS = frozenset(_KEPT.values()) | {_FBK}
 _STEP_SPEC = tf.TensorSpec([], tf.int64)  # the step's and the micro-batch number's spec
 EAGER = 'eager execution'
 
@@ -97,13 +100,22 @@ def _is_float_spec(spec):
 class _Stage:
     """What the loop knows of stage s before it runs: its calls traced, its message shapes."""
 
-    def __init__(self, index, runner, in_struct, tgt_struct, sched, fused_only):
+    def __init__(self, index, runner, in_struct, tgt_struct, sched, fused_only, kept_only):
         self.index = index
         self.runner = runner
         self.device = runner.device
         self.last = index == sched.num_stages - 1
         self.in_struct = in_struct  # structure of TensorSpecs (None leaves allowed)
         self.tgt_struct = tgt_struct if self.last else None
+        self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
+        split = None
+        if kept_only and not runner._jit:
+            # Only kept calls run this cell (zero-bubble's last; every micro-batch under
+            # 'never'): their F, B and W are cut from one trace, whose outputs give the specs;
+            # a forward traced for them alone would be a cell's trace that nothing calls.
+            split = runner.Split(
+                in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC, split=sched.split_backward
+            )
         # The loop runs ComputeGradients: its last cell ends with the loss head.
         if self.last and fused_only:
             # Only fused calls run this cell (1F1B's last, every micro-batch kept): its
@@ -112,6 +124,8 @@ class _Stage:
                 in_struct, self.tgt_struct, _SCALAR, _STEP_SPEC, _STEP_SPEC, fused_only
             )
             out = tf.nest.map_structure(spec_of, outputs[0])
+        elif split is not None:
+            out = tf.nest.map_structure(spec_of, split.structured_outputs)
         else:
             forward = runner.ForwardFunction(in_struct, self.tgt_struct, _STEP_SPEC, _STEP_SPEC)
             out = tf.nest.map_structure(spec_of, forward.structured_outputs)
@@ -119,7 +133,6 @@ class _Stage:
         self.in_flat = tf.nest.flatten(in_struct)
         self.out_flat = tf.nest.flatten(self.out_struct)
         self.float_in = [i for i, s in enumerate(self.in_flat) if _is_float_spec(s)]
-        self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
         self.res_slots = self.bw_slots = carried.Slots([])
 
     def OutputGradSpecs(self):
@@ -154,6 +167,13 @@ class TickLoop:
             # it costs one micro-batch's forward per such cell and step instead.
             kept = self.fused
         self.carried = kept - self.fused
+        # Under a split backward, the last stage's kept micro-batches whose B follows F at
+        # once (zero-bubble's, every one): F and B in one call, as 1F1B's last stage does F
+        # and B, with W apart. All or none of a stage's, so that its carried slots hold one
+        # kind of thing (W's feeds, not F's residuals).
+        last = {x for x in self.carried if x[0] == sched.num_stages - 1}
+        fusable = executor.fusable(sched, kept, split=True) if sched.split_backward else set()
+        self.fused_kept = last if last and last <= fusable else set()
         self.losses = {}
         self.outputs = {}
 
@@ -181,6 +201,10 @@ class TickLoop:
                     kind = _FB
                 else:
                     continue  # done by the fused call at F's tick
+            elif (s, m) in self.fused_kept and a.phase != WEIGHT:
+                if a.phase == BACKWARD:
+                    continue  # done by F's call
+                kind = _FBK
             elif (s, m) in self.carried:
                 kind = _KEPT[a.phase]
             elif a.phase == BACKWARD and self.sched.split_backward and not self._WantX(s):
@@ -195,12 +219,12 @@ class TickLoop:
         """The action kinds that, for a stage, write `what` (see the write tables in Run)."""
         split = self.sched.split_backward
         return {
-            'x': (FORWARD, 'FK'),
-            'd': (BACKWARD, 'BK', _FB),
+            'x': (FORWARD, 'FK', _FBK),
+            'd': (BACKWARD, 'BK', _FB, _FBK),
             'free': (WEIGHT, 'WK') if split else (BACKWARD, 'BK', _FB),
             # a sparse gradient: B's unsplit ones of a kept micro-batch, W of a recomputed one
-            'sparse': (WEIGHT, 'BK') if split else (BACKWARD, 'BK', _FB),
-            'out': (FORWARD, 'FK', _FB),
+            'sparse': (WEIGHT, 'BK', _FBK) if split else (BACKWARD, 'BK', _FB),
+            'out': (FORWARD, 'FK', _FB, _FBK),
         }[what]
 
     # ---- running ----------------------------------------------------------------------------
@@ -257,7 +281,11 @@ class TickLoop:
         for s in range(self.sched.num_stages):
             used = _used_kinds(keys, s)
             fused_only = self._Want(_FB, s) if used == {_FB} else None
-            st = _Stage(s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only)
+            kept_only = bool(used) and used <= _KEPT_KINDS
+            st = _Stage(
+                s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only, kept_only
+            )
+            st.fused_kept = _FBK in used
             stages.append(st)
             in_struct = st.out_struct
         return stages
@@ -281,7 +309,7 @@ class TickLoop:
         for s, st in enumerate(stages):
             used = _used_kinds(keys, s)
             kinds = {}
-            if used & set(_KEPT.values()):
+            if used & _KEPT_KINDS:
                 if st.runner._jit:
                     raise UnsupportedError('a kept micro-batch of an XLA-compiled cell')
                 st.fns = st.runner.Split(
@@ -411,8 +439,11 @@ class TickLoop:
         for s, st in enumerate(stages):
             if st.fns is None:
                 continue
-            res_specs = [spec_of(t) for t in st.fns.residuals]
-            bw_specs = [spec_of(t) for t in st.fns.b_to_w] if sched.split_backward else []
+            if st.fused_kept:  # F and B in one call: W's feeds alone
+                res_specs, bw_specs = [spec_of(t) for t in st.fns.weight_feeds], []
+            else:
+                res_specs = [spec_of(t) for t in st.fns.residuals]
+                bw_specs = [spec_of(t) for t in st.fns.b_to_w] if sched.split_backward else []
             if not all(
                 sp.shape.is_fully_defined() and sp.dtype not in (tf.resource, tf.variant)
                 for sp in res_specs + bw_specs
@@ -633,6 +664,17 @@ class TickLoop:
 
         def run_kept(msg, seed):
             fns = st.fns
+            if kind == _FBK:
+                flat = [
+                    t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
+                ]
+                y, d_x, d_unsplit, w_feeds = fns.ForwardBackward(flat + [ctx.step[d], seed], s > 0)
+                msg['res'][s] = st.res_slots.Write(msg['res'][s], index, w_feeds)
+                forward_message(msg, y)
+                if s > 0:
+                    msg['bwd'][s] = list(d_x)
+                add_weight_grads(msg, list(zip(fns.unsplit_variables, d_unsplit)))
+                return msg
             if kind == 'FK':
                 flat = [
                     t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
@@ -654,6 +696,11 @@ class TickLoop:
                     d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
                     d_vars += list(zip(fns.split_variables, d_split))
                     msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
+            elif st.fused_kept:  # WK after FBK: its slots hold W's feeds
+                d_vars = list(
+                    zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), residuals))
+                )
+                msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
             else:  # WK, the last use
                 b_to_w = st.bw_slots.Read(msg['bw'][s], index)
                 w_feeds = fns.WeightFeeds(residuals, flat_dys(), b_to_w)
@@ -679,7 +726,7 @@ class TickLoop:
             runner = st.runner
             # Micro-batch m draws its randomness as global micro-batch seed_base + m.
             seed = m + ctx.seed_base[d]
-            if kind in _KEPT.values():
+            if kind in _KEPT_KINDS:
                 return run_kept(msg, seed)
             if kind == FORWARD:
                 # A training loop: nothing differentiates its calls (it computes gradients).
