@@ -115,38 +115,6 @@ def test_gradient_sums_on_the_variable_device():
     assert sums.Total(tf.Variable(1.0)) is None
 
 
-def test_scaled_totals_are_one_call_per_device_and_equal_each_total():
-    """`Totals` scales a device's dense sums in one call (the step's outer graph holds no
-    product per variable); sparse ones stay sparse; each equals `Total(v, scale)`."""
-    with tf.device('/device:CPU:0'):
-        a, b = tf.Variable(tf.ones([2, 2])), tf.Variable(tf.ones([3]))
-    with tf.device('/device:CPU:1'):
-        c, e = tf.Variable(tf.ones([4])), tf.Variable(tf.zeros([3, 2]))
-    unused = tf.Variable(1.0)
-    variables = [a, b, c, e, unused]
-
-    def totals(scale, each=True):
-        sums = ownership.GradientSums()
-        for v in (a, b, c):
-            sums.Add(v, tf.fill(v.shape, 2.0))
-            sums.Add(v, tf.fill(v.shape, 1.0))
-        sums.Add(e, tf.IndexedSlices(tf.ones([1, 2]), tf.constant([1]), tf.constant([3, 2])))
-        want = [sums.Total(v, scale) for v in variables] if each else []
-        return sums.Totals(variables, scale), want
-
-    fn = tf.function(lambda s: totals(s, each=False)[0], autograph=False)
-    graph = fn.get_concrete_function(tf.TensorSpec([], tf.float32)).graph
-    ops = [op.type for op in graph.get_operations()]
-    assert ops.count('Mul') == 1, ops  # the sparse one's values; the dense ones in the calls
-    calls = [op for op in graph.get_operations() if op.type == 'PartitionedCall']
-    assert sorted(op.device[-5:] for op in calls) == ['CPU:0', 'CPU:1']
-    got, want = tf.function(totals, autograph=False)(tf.constant(0.25))
-    assert got[-1] is None and want[-1] is None
-    assert isinstance(got[3], tf.IndexedSlices)
-    for g, w in zip(got[:-1], want[:-1]):
-        np.testing.assert_array_equal(tf.convert_to_tensor(g), tf.convert_to_tensor(w))
-
-
 def _tied_lm(vocab=16, dim=8):
     tr = layers.TransformerLayer.Params().Set(
         input_dim=dim, num_heads=2, hidden_dim=16, causal=True

@@ -101,49 +101,6 @@ class GradientSums:
                 return tf.IndexedSlices(values, total.indices, total.dense_shape)
             return total * tf.cast(scale, total.dtype)
 
-    def Totals(self, variables, scale=None):
-        """`Total` of each of `variables` (times `scale`), the dense ones of each device scaled
-        by one call: two ops per variable (a cast of the scale, a product) in the step's outer
-        graph otherwise, a third of it at 64 layers."""
-        if scale is None or tf.executing_eagerly():
-            return [self.Total(v, scale) for v in variables]
-        out, pending = [], {}  # device -> positions of dense totals
-        for i, v in enumerate(variables):
-            total = self.Total(v)
-            if isinstance(total, tf.IndexedSlices):
-                total = self.Total(v, scale)
-            elif total is not None:
-                pending.setdefault(v.device, []).append(i)
-            out.append(total)
-        for device, positions in pending.items():
-            with distribute.on(device):
-                scaled = _scale_all(
-                    self._traces,
-                    [variables[i].ref() for i in positions],
-                    [out[i] for i in positions],
-                    tf.convert_to_tensor(scale),
-                )
-            for i, total in zip(positions, scaled):
-                out[i] = total
-        return out
-
-
-@tf.function(autograph=False, experimental_attributes={'_noinline': True})
-def _scaled(totals, scale):
-    """[t * scale]: a device's summed gradients scaled, as one call."""
-    return [t * tf.cast(scale, t.dtype) for t in totals]
-
-
-def _scale_all(traces, refs, totals, scale):
-    """`_scaled`'s products, a call without shape inference (as `_add`'s), traced once per
-    variables and dtypes (a dense total has its variable's shape)."""
-    key = ('scale', tuple(refs), tuple(t.dtype for t in totals), scale.dtype)
-    concrete = traces.get(key)
-    if concrete is None:
-        concrete = traces[key] = _scaled.get_concrete_function(totals, scale)
-    args = list(totals) + [scale] + concrete.captured_inputs
-    return call_op.call(concrete, args, grappler.config_proto(False), stateful=False)
-
 
 @tf.function(autograph=False, experimental_attributes={'_noinline': True})
 def _accumulate(previous, grads):

@@ -63,9 +63,8 @@ def sum_over_replicas(per_replica_sums, per_replica_variables, scale=None):
     Returns, per replica, gradients lined up with its variables (None where nothing reached).
     """
     out = [[] for _ in per_replica_sums]
-    totals = [sums.Totals(vs, scale) for sums, vs in zip(per_replica_sums, per_replica_variables)]
-    for i, copies in enumerate(zip(*per_replica_variables)):
-        grads = [replica[i] for replica in totals]
+    for copies in zip(*per_replica_variables):
+        grads = [sums.Total(v, scale) for sums, v in zip(per_replica_sums, copies)]
         total = ownership.add(grads, copies[0].device)
         for r, v in enumerate(copies):
             if total is None or len(copies) == 1:
