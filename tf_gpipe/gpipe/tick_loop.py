@@ -108,6 +108,7 @@ class _Stage:
         self.in_struct = in_struct  # structure of TensorSpecs (None leaves allowed)
         self.tgt_struct = tgt_struct if self.last else None
         self.fns = None  # split_functions.SplitFunctions when a micro-batch is kept across ticks
+        self.one_call_fb = False  # its kept micro-batches' F and B are one call (_FBK)
         split = None
         if kept_only and not runner._jit:
             # Only kept calls run this cell (zero-bubble's last; every micro-batch under
@@ -219,7 +220,7 @@ class TickLoop:
         """The action kinds that, for a stage, write `what` (see the write tables in Run)."""
         split = self.sched.split_backward
         return {
-            'x': (FORWARD, 'FK', _FBK),
+            'x': (FORWARD, 'FK'),
             'd': (BACKWARD, 'BK', _FB, _FBK),
             'free': (WEIGHT, 'WK') if split else (BACKWARD, 'BK', _FB),
             # a sparse gradient: B's unsplit ones of a kept micro-batch, W of a recomputed one
@@ -285,7 +286,7 @@ class TickLoop:
             st = _Stage(
                 s, self.runners[s], in_struct, tgt_struct, self.sched, fused_only, kept_only
             )
-            st.fused_kept = _FBK in used
+            st.one_call_fb = _FBK in used
             stages.append(st)
             in_struct = st.out_struct
         return stages
@@ -439,7 +440,7 @@ class TickLoop:
         for s, st in enumerate(stages):
             if st.fns is None:
                 continue
-            if st.fused_kept:  # F and B in one call: W's feeds alone
+            if st.one_call_fb:  # F and B in one call: W's feeds alone
                 res_specs, bw_specs = [spec_of(t) for t in st.fns.weight_feeds], []
             else:
                 res_specs = [spec_of(t) for t in st.fns.residuals]
@@ -664,11 +665,13 @@ class TickLoop:
 
         def run_kept(msg, seed):
             fns = st.fns
-            if kind == _FBK:
+            if kind in ('FK', _FBK):
                 flat = [
                     t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
                 ]
-                y, d_x, d_unsplit, w_feeds = fns.ForwardBackward(flat + [ctx.step[d], seed], s > 0)
+                flat += [ctx.step[d], seed]
+            if kind == _FBK:
+                y, d_x, d_unsplit, w_feeds = fns.ForwardBackward(flat, s > 0)
                 msg['res'][s] = st.res_slots.Write(msg['res'][s], index, w_feeds)
                 forward_message(msg, y)
                 if s > 0:
@@ -676,10 +679,7 @@ class TickLoop:
                 add_weight_grads(msg, list(zip(fns.unsplit_variables, d_unsplit)))
                 return msg
             if kind == 'FK':
-                flat = [
-                    t for t in tf.nest.flatten((read_inputs(), read_targets())) if t is not None
-                ]
-                y, residuals = fns.Forward(flat + [ctx.step[d], seed])
+                y, residuals = fns.Forward(flat)
                 msg['res'][s] = st.res_slots.Write(msg['res'][s], index, residuals)
                 forward_message(msg, y)
                 return msg
@@ -696,7 +696,7 @@ class TickLoop:
                     d_split = fns.Weights(tf.zeros([], tf.int32), w_feeds)
                     d_vars += list(zip(fns.split_variables, d_split))
                     msg['res'][s] = st.res_slots.Free(msg['res'][s], index)
-            elif st.fused_kept:  # WK after FBK: its slots hold W's feeds
+            elif st.one_call_fb:  # WK after FBK: its slots hold W's feeds
                 d_vars = list(
                     zip(fns.split_variables, fns.Weights(tf.zeros([], tf.int32), residuals))
                 )
