@@ -13,7 +13,7 @@ held a second copy of a micro-batch's activations at its forward (tools/peak_mem
 
 import tensorflow as tf
 
-from tf_gpipe.gpipe import call_op
+from tf_gpipe.gpipe import call_op, grappler
 from tf_gpipe.runtime import distribute
 
 # Tensors of at least this many elements get a slot of their own (256 KiB of float32: the
@@ -84,7 +84,8 @@ class Packing:
 
     Each way is traced once per Packing and its trace called directly: a tf.function called
     with the layout as an argument spent more of the loop's trace building that argument's
-    trace type than packing (tools/startup.py, zero bubble)."""
+    trace type than packing (tools/startup.py, zero bubble). Its calls run without Grappler,
+    as the gradient sums' do."""
 
     def __init__(self, specs):
         self._in_specs = [tf.TensorSpec(sp.shape, sp.dtype) for sp in specs]
@@ -108,8 +109,16 @@ class Packing:
             return []
         if way not in self._traces:
             layout, dtypes = self.layout, tuple(self.dtypes)
-            self._traces[way] = call_op.trace(lambda *ts: body(ts, layout, dtypes), *specs)
-        return list(self._traces[way](*tensors))
+
+            def traced(*ts):
+                return body(ts, layout, dtypes)
+
+            traced.__name__ = f'carried_{way}'
+            self._traces[way] = call_op.trace(traced, *specs)
+        # Reshapes, a concat and a split: Grappler's pass over them per device at the first
+        # call (about 70 ms each at K=4, L=16 under zero-bubble, its log) would find nothing.
+        with grappler.calls(False):
+            return list(self._traces[way](*tensors))
 
 
 def _pack(tensors, layout, dtypes):
