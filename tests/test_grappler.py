@@ -15,7 +15,6 @@ import tensorflow as tf
 
 from tf_gpipe import gpipe, layers
 from tf_gpipe.gpipe import grappler
-from tf_gpipe.nested_map import NestedMap
 
 
 def _off(config_bytes):
@@ -185,33 +184,9 @@ def test_the_gradient_sums_calls_run_without_grappler_whatever_the_cells_option(
 def test_the_carried_residuals_packing_runs_without_grappler_whatever_the_cells_option():
     """A kept micro-batch's small residuals cross the tick loop packed into one vector per
     dtype (carried.py): reshapes, a concat and a split, nothing for Grappler to do."""
-    # Under 'never' every cell keeps its micro-batches; the Transformer's residuals are small.
-    tr = layers.TransformerLayer.Params().Set(input_dim=8, num_heads=2, hidden_dim=8)
-    sub = [tr.Copy().Set(name=f'tr{i}') for i in range(4)]
-    x = tf.random.stateless_normal([8, 3, 8], [1, 2])
     for cell_grappler in (False, True):
-        pipe = (
-            gpipe.PipelinedLayer.Params()
-            .Set(
-                name='pipe',
-                sub=sub,
-                num_partitions=4,
-                partition_by='uniform',
-                num_micro_batches=8,
-                recompute='never',
-                schedule='1f1b',
-                cell_grappler=cell_grappler,
-                tick_loop=True,
-            )
-            .Instantiate()
-        )
-        inputs = NestedMap(vecs=x, paddings=tf.zeros([8, 3]))
-        step = tf.function(
-            lambda pipe=pipe, inputs=inputs: pipe.ComputeGradients(
-                inputs, None, lambda y, t: tf.reduce_mean(y.vecs * y.vecs)
-            )
-        )
-        calls = _call_configs(step.get_concrete_function().graph.as_graph_def())
+        # Under 'never' every cell keeps its micro-batches, their residuals small.
+        calls = _step_calls('1f1b', 'never', cell_grappler, loop=True)
         for way in ('carried_pack', 'carried_unpack'):
             packing = [offs for name, offs in calls.items() if way in name]
             assert packing and all(all(offs) for offs in packing), (way, sorted(calls))
