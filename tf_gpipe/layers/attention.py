@@ -80,10 +80,14 @@ class MultiHeadAttention(base_layer.BaseLayer):
 
     def _Project(self, x, name):
         p = self.params
-        y = tf.einsum('btd,dh->bth', x, self.CastToFPropDtype(self.vars[f'w_{name}']))
+        b, t = tf.shape(x)[0], tf.shape(x)[1]
+        # One 2-D matmul over the B*T rows, not an einsum with B and T as batch dimensions:
+        # oneDNN runs the latter as a batched matmul it splits over threads, a cost per call
+        # that dominates tiny micro-batches (docs/engine.md, "the attention's projections").
+        rows = tf.reshape(x, [-1, p.input_dim])
+        y = tf.matmul(rows, self.CastToFPropDtype(self.vars[f'w_{name}']))
         if p.bias:
             y += self.CastToFPropDtype(self.vars[f'b_{name}'])
-        b, t = tf.shape(y)[0], tf.shape(y)[1]
         # The head size from the params, not -1: it stays static when B or T is known only at
         # run time (a served model's variable batch).
         return tf.reshape(y, [b, t, p.num_heads, self._head_dim])
@@ -124,11 +128,11 @@ class MultiHeadAttention(base_layer.BaseLayer):
         probs = self.atten_dropout.FProp(tf.cast(probs, self.fprop_dtype))
         context = tf.einsum('bnts,bsnh->btnh', probs, v)
         b, t = tf.shape(context)[0], tf.shape(context)[1]
-        context = tf.reshape(context, [b, t, p.num_heads * self._head_dim])
-        out = tf.einsum('bth,hd->btd', context, self.CastToFPropDtype(self.vars.w_post))
+        rows = tf.reshape(context, [-1, p.num_heads * self._head_dim])
+        out = tf.matmul(rows, self.CastToFPropDtype(self.vars.w_post))
         if p.bias:
             out += self.CastToFPropDtype(self.vars.b_post)
-        return out
+        return tf.reshape(out, [b, t, p.input_dim])
 
     def ExtendStep(self, query_vecs, state, t, max_len, paddings=None):
         """Causal self-attention of positions t.. [B, T, D] over every position decoded so far.
