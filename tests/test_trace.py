@@ -31,10 +31,11 @@ def _pipe(width=8):
 
 @pytest.mark.idle
 def test_events_follow_the_data_dependencies():
-    # Actions of a few milliseconds each (512-wide layers), so that the order the data imposes
-    # is wider than the executor's latency in running a ready stamp on a busy machine.
-    pipe = _pipe(width=512)
-    x = tf.random.stateless_normal([768, 512], [1, 2])
+    # Actions of tens of milliseconds each (1024-wide layers, 512 rows per micro-batch), so that
+    # the order the data imposes is wider than any delay in running a ready stamp: with
+    # 512-wide layers the tightest pair was 3 ms apart and a stamp once came 6 ms late (CI).
+    pipe = _pipe(width=1024)
+    x = tf.random.stateless_normal([1536, 1024], [1, 2])
     with trace.record() as events:
 
         @tf.function
