@@ -33,7 +33,7 @@ def _pipe(width=8):
 def test_events_follow_the_data_dependencies():
     # Actions of tens of milliseconds each (1024-wide layers, 512 rows per micro-batch), so that
     # the order the data imposes is wider than any delay in running a ready stamp: with
-    # 512-wide layers the tightest pair was 3 ms apart and a stamp once came 6 ms late (CI).
+    # 512-wide layers the tightest pair was 2.5-5 ms apart, and in CI one landed 3 ms the wrong way.
     pipe = _pipe(width=1024)
     x = tf.random.stateless_normal([1536, 1024], [1, 2])
     with trace.record() as events:
