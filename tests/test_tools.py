@@ -162,6 +162,24 @@ def test_plan_ranks_configurations_and_names_a_bad_device(tmp_path):
     assert bad.returncode != 0 and "did you mean 'v100-16gb'" in bad.stderr
 
 
+def test_a_results_command_reruns_as_written(monkeypatch):
+    """A flag value with spaces is quoted in the command a result file records, and the A/B
+    table's command keeps it quoted once it drops the flags the rounds differ in."""
+    import shlex
+
+    import results_table
+
+    argv = ['tools/startup.py', '--label=projections as 2-D matmuls (B*T rows)', '--layers=8']
+    monkeypatch.setattr(sys, 'argv', argv)
+    command = bench_common.run_metadata()['command']
+    assert shlex.split(command) == ['python', *argv]
+    rounds = [
+        dict(command=f'{command} --cell_grappler --output=/tmp/a.json'),
+        dict(command=f'{command} --nocell_grappler --output=/tmp/b.json'),
+    ]
+    assert results_table._ab_command(rounds) == f'`{command}`' + results_table.AB_NOTE
+
+
 def test_docs_results_are_the_tools_output():
     """Every results table of the README and the guides is results_table.py's rendering of a
     committed JSON file a tool wrote (`python tools/results_table.py --write` regenerates them

@@ -3,6 +3,7 @@
 import datetime
 import os
 import platform
+import shlex
 import sys
 import time
 
@@ -175,12 +176,13 @@ def median_times(steps, repeats, warmup=2):
 
 
 def run_metadata():
-    """Where and how a result was measured: machine, TF version, date, command line."""
+    """Where and how a result was measured: machine, TF version, date, command line (quoted
+    as a shell reads it, so that a flag with spaces reruns as written)."""
     return dict(
         machine=f'{platform.machine()} {platform.system()}, {os.cpu_count()} cores',
         tf_version=tf.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-        command=' '.join(['python', os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        command=shlex.join(['python', os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
     )
 
 

@@ -17,6 +17,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -56,7 +57,7 @@ def _ab_command(results):
     drop = ('--output=', '--cell_grappler', '--nocell_grappler')
     commands = sorted(
         {
-            ' '.join(w for w in r['command'].split() if not w.startswith(drop))
+            shlex.join(w for w in shlex.split(r['command']) if not w.startswith(drop))
             for r in results
             if r.get('command')
         }

@@ -79,18 +79,24 @@ class MultiHeadAttention(base_layer.BaseLayer):
         )
 
     def _Project(self, x, name):
+        """x [B, T, D] -> heads [B, T, N, H] by w_<name> (and b_<name>)."""
+        return self._Linear(x, name, [self.params.num_heads, self._head_dim])
+
+    def _Linear(self, x, name, tail):
+        """x [B, T, ...] times w_<name> (plus b_<name>) -> [B, T] + tail.
+
+        One 2-D matmul over the B*T rows, not an einsum with B and T as batch dimensions:
+        oneDNN runs the latter as a batched matmul it splits over threads, a cost per call
+        that dominates tiny micro-batches (docs/engine.md, "the attention's projections")."""
         p = self.params
         b, t = tf.shape(x)[0], tf.shape(x)[1]
-        # One 2-D matmul over the B*T rows, not an einsum with B and T as batch dimensions:
-        # oneDNN runs the latter as a batched matmul it splits over threads, a cost per call
-        # that dominates tiny micro-batches (docs/engine.md, "the attention's projections").
-        rows = tf.reshape(x, [-1, p.input_dim])
-        y = tf.matmul(rows, self.CastToFPropDtype(self.vars[f'w_{name}']))
+        w = self.vars[f'w_{name}']
+        y = tf.matmul(tf.reshape(x, [-1, w.shape[0]]), self.CastToFPropDtype(w))
         if p.bias:
             y += self.CastToFPropDtype(self.vars[f'b_{name}'])
-        # The head size from the params, not -1: it stays static when B or T is known only at
-        # run time (a served model's variable batch).
-        return tf.reshape(y, [b, t, p.num_heads, self._head_dim])
+        # The tail from the params, not -1: it stays static when B or T is known only at run
+        # time (a served model's variable batch).
+        return tf.reshape(y, [b, t, *tail])
 
     def FProp(
         self,
@@ -127,12 +133,7 @@ class MultiHeadAttention(base_layer.BaseLayer):
         probs = tf.nn.softmax(tf.cast(logits, tf.float32) + bias, axis=-1)
         probs = self.atten_dropout.FProp(tf.cast(probs, self.fprop_dtype))
         context = tf.einsum('bnts,bsnh->btnh', probs, v)
-        b, t = tf.shape(context)[0], tf.shape(context)[1]
-        rows = tf.reshape(context, [-1, p.num_heads * self._head_dim])
-        out = tf.matmul(rows, self.CastToFPropDtype(self.vars.w_post))
-        if p.bias:
-            out += self.CastToFPropDtype(self.vars.b_post)
-        return tf.reshape(out, [b, t, p.input_dim])
+        return self._Linear(context, 'post', [p.input_dim])
 
     def ExtendStep(self, query_vecs, state, t, max_len, paddings=None):
         """Causal self-attention of positions t.. [B, T, D] over every position decoded so far.
