@@ -297,6 +297,58 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     assert '| 2 | 2 | zero_bubble |' in printed and 'unrolled at M=max' in printed
 
 
+_GRAPPLER_LOG = """\
+I0000 00:00:1796604515.103158    2655 meta_optimizer.cc:1059] Starting optimization for grappler item: __inference_pipe_step_7
+W0000 00:00:1796604515.110000    2655 other.cc:1] model_pruner: Graph size after: 1 nodes (0), time = 99ms.
+I0000 00:00:1796604515.156347    2655 meta_optimizer.cc:973] model_pruner: Graph size after: 1727 nodes (-439), 3280 edges (-736), time = 17.331ms.
+I0000 00:00:1796604515.275172    2655 meta_optimizer.cc:973] tfg_optimizer{any(tfg-toposort,tfg-shape-inference{graph-version=0})}: Graph size after: 1727 nodes (0), 3280 edges (0), time = 114.238ms.
+I0000 00:00:1796604516.199655    2655 meta_optimizer.cc:973] model_pruner: Graph size after: 1095 nodes (-632), 2269 edges (0), time = 2.669ms.
+I0000 00:00:1796604516.411777    2655 meta_optimizer.cc:1311] Optimized 0 functions:
+I0000 00:00:1796604517.000000    2655 meta_optimizer.cc:1059] Starting optimization for grappler item: __inference_unfinished_9
+"""
+
+
+def test_grappler_log_reads_each_items_passes_from_start_to_end():
+    """An item's seconds run from its start to its end line; a pass's rounds add up; the
+    nodes before are the first pass's size less its change; lines of other files and an item
+    the log does not finish are left out."""
+    import grappler_log
+
+    items = grappler_log.parse(_GRAPPLER_LOG)
+    assert list(items) == ['__inference_pipe_step_7']
+    item = items['__inference_pipe_step_7']
+    assert item['seconds'] == pytest.approx(516.411777 - 515.103158)
+    assert (item['nodes_before'], item['nodes_after']) == (2166, 1095)
+    assert item['passes'] == pytest.approx({'model_pruner': 20.0, 'tfg_optimizer': 114.238})
+
+
+def test_startup_records_what_grappler_did_at_each_first_call(tmp_path):
+    """--grappler_passes: every step's row holds Grappler's record from TF's own log (a
+    changed log format fails the run), the pipeline's step has calls for the function optimizer
+    and the plain step none, and the table renders the passes."""
+    out = tmp_path / 'grappler.json'
+    printed = _run(
+        [
+            *_STARTUP_SMALL,
+            '--micro_batches=2',
+            '--schedules=1f1b',
+            '--grappler_passes',
+            f'--output={out}',
+        ],
+        timeout=600,
+    )
+    result = json.loads(out.read_text())
+    rows = {r['kind']: r for r in result['rows']}
+    assert sorted(rows) == ['pipeline', 'plain']
+    for r in rows.values():
+        g = r['grappler']
+        assert g['seconds'] > 0 and g['nodes_before'] >= g['nodes_after'] > 0
+        assert sum(g['passes'].values()) > 0
+    assert rows['pipeline']['grappler']['passes'].get('function_optimizer', 0) > 0
+    assert 'function_optimizer' not in rows['plain']['grappler']['passes']
+    assert '| plain (beside 1f1b) | 2 | 2 | 2 | 1 |' in printed and 'Grappler s' in printed
+
+
 def test_startup_runs_without_grappler_on_the_step_when_asked(tmp_path):
     """--nostep_grappler: the experiment's rows say (as TF reports its options in the child)
     that Grappler was off for the plain step and the pipeline's alike; by default it is on."""

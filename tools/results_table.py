@@ -516,6 +516,64 @@ def startup_ab_table(results):
     return lines
 
 
+# Grappler's passes a table names apart; the others are summed in one column.
+_GRAPPLER_COLUMNS = 6
+
+
+def startup_grappler_table(results):
+    """tools/startup.py --grappler_passes: per (L, K, M) and step, what Grappler did at its
+    first call (TF's log, tools/grappler_log.py): its seconds and each pass's milliseconds, the
+    median [least–most] over the rounds, and the graph's nodes before and after."""
+    first = results[0]
+    dates = sorted(r.get('date', '') for r in results)
+    commands = '; '.join(f'`{r["command"]}`' for r in results if r.get('command'))
+    groups = {}  # (L, K, M, step) -> [row's Grappler record]
+    for result in results:
+        for r in result['rows']:
+            if not r.get('grappler'):
+                continue
+            step = f'plain (beside {r["beside"]})' if r['kind'] == 'plain' else r['schedule']
+            key = (r['layers'], r['num_stages'], r['num_micro_batches'], step)
+            groups.setdefault(key, []).append(r['grappler'])
+    totals = {}
+    for records in groups.values():
+        for g in records:
+            for name, ms in g['passes'].items():
+                totals[name] = totals.get(name, 0.0) + ms
+    named = sorted(totals, key=lambda n: -totals[n])[:_GRAPPLER_COLUMNS]
+    lines = [
+        f"{first['model']}, recompute={first['recompute']}: what Grappler did at each step's "
+        "first call, from TF's log (`meta_optimizer.cc` at verbosity 1), each pass's time "
+        'summed over its rounds; the median [least–most] over the runs; written '
+        f'{dates[0]} to {dates[-1]} on {first.get("machine", "")}, TF '
+        f'{first.get("tf_version", "")} ({commands}):',
+        '',
+        '| step | L | K | M | runs | nodes before → after | Grappler s | '
+        + ' | '.join(f'{n} ms' for n in named)
+        + ' | other passes ms |',
+        '|---|---|---|---|---|---|---|' + '---|' * (len(named) + 1),
+    ]
+
+    def cell(values, fmt):
+        median, least, most = _median_span(values)
+        return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]'
+
+    for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], not k[3].startswith('plain'), k[3])):
+        records = groups[key]
+        nodes = f'{records[0]["nodes_before"]} → {records[0]["nodes_after"]}'
+        passes = [cell([g['passes'].get(n, 0.0) for g in records], '.0f') for n in named]
+        other = cell(
+            [sum(ms for n, ms in g['passes'].items() if n not in named) for g in records], '.0f'
+        )
+        lines.append(
+            f'| {key[3]} | {key[0]} | {key[1]} | {key[2]} | {len(records)} | {nodes} | '
+            f'{cell([g["seconds"] for g in records], ".2f")} | '
+            + ' | '.join(passes)
+            + f' | {other} |'
+        )
+    return lines
+
+
 def startup_table(result):
     """tools/startup.py: start-up (trace + first call) per M against the plain sequence's."""
     summary = result['summary']
@@ -702,6 +760,8 @@ def _table(paths):
     if isinstance(first, dict) and 'demos' in first:
         return demos_table(first)
     if isinstance(first, dict) and first.get('startup'):
+        if first.get('grappler_passes'):
+            return startup_grappler_table(loaded)
         if len({r['engine'] for r in loaded}) > 1:  # two versions, rounds in turn
             return startup_ab_table(loaded)
         # Several runs of one grid (e.g. one per L): one table over their summaries.

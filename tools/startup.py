@@ -8,6 +8,7 @@ graph size and steady step, over K, M, L and the schedules.
     python tools/startup.py --measure=eval --compare_unrolled ...   # eval's forward (FProp)
     python tools/startup.py --measure=fprop --compare_unrolled ...   # FProp under a tape
     python tools/startup.py --workers --compare_unrolled --num_stages=2 ...   # TF workers
+    python tools/startup.py --grappler_passes ...   # also what Grappler did at each first call
     python tools/startup.py --summarise=docs/results/startup_grid_l8.json   # summary again
 
 Each (K, L, M) and schedule runs in a fresh process with K logical CPUs (--workers: K TF
@@ -66,6 +67,12 @@ STEP_GRAPPLER = flags.DEFINE_bool(
     "--nostep_grappler: Grappler off for the whole process, the plain step's and the "
     "pipeline's step's own graphs too (an experiment, not a library setting: what Grappler's "
     'pass over a step costs at its first call).',
+)
+GRAPPLER_PASSES = flags.DEFINE_bool(
+    'grappler_passes',
+    False,
+    "Also record what Grappler did at each step's first call, from TF's own log "
+    "(grappler_log.py): its seconds, the graph's nodes before and after, each pass's time.",
 )
 COMPARE = flags.DEFINE_bool(
     'compare_unrolled',
@@ -139,6 +146,7 @@ def _measure(step, args):
         startup_s=t2 - t0,
         trace_cpu_s=c1 - c0,
         first_call_cpu_s=c2 - c1,
+        function=tf.compat.as_str(concrete.name),  # Grappler's item name in TF's log
         outer_nodes=len(graph.node),
         library_nodes=sum(len(f.node_def) for f in graph.library.function),
     )
@@ -281,6 +289,19 @@ def _measure_all(k, num_layers, m, devices):
     print(json.dumps(rows))
 
 
+def _attach_grappler(rows, items):
+    """Each row's Grappler record (grappler_log.parse) by its step's function name; a step
+    that ran Grappler and has none means TF's log no longer reads as grappler_log expects."""
+    for r in rows:
+        r['grappler'] = items.get(r['function'])
+        if r['grappler'] is None and r['step_grappler']:
+            sys.exit(
+                f"--grappler_passes: TF's log shows no Grappler pass over {r['function']} "
+                f'({r["kind"]} {r["schedule"]}); known items: {sorted(items)}. If TF changed '
+                "its meta optimizer's log lines, update tools/grappler_log.py."
+            )
+
+
 def summarise(rows):
     """Per (L, K, schedule): start-up per M, growth, ratio to plain, nodes per micro-batch;
     with several runs (`--repeats`), medians over the runs (ratios within each run first)."""
@@ -399,6 +420,7 @@ def main(argv):
         return _child(CHILD.value)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_common
+    import grappler_log
 
     if SUMMARISE.value:
         return _summarise_file(SUMMARISE.value, bench_common)
@@ -435,10 +457,13 @@ def main(argv):
                     f'--measure={MEASURE.value}',
                     f'--workers={WORKERS.value}',
                 ]
-                done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                env = dict(os.environ, **(grappler_log.ENV if GRAPPLER_PASSES.value else {}))
+                done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
                 if done.returncode:
                     sys.exit(f'K={k} L={num_layers} M={m} failed:\n{done.stderr[-3000:]}')
                 got = json.loads(done.stdout.strip().splitlines()[-1])
+                if GRAPPLER_PASSES.value:
+                    _attach_grappler(got, grappler_log.parse(done.stderr))
                 for r in got:
                     r['run'] = run
                     if r['kind'] == 'plain':
@@ -453,6 +478,15 @@ def main(argv):
                         f'lib {r["library_nodes"]}',
                         flush=True,
                     )
+                    if r.get('grappler'):
+                        g = r['grappler']
+                        top = sorted(g['passes'].items(), key=lambda kv: -kv[1])[:4]
+                        print(
+                            f'    Grappler {g["seconds"]:5.2f}s, nodes {g["nodes_before"]} -> '
+                            f'{g["nodes_after"]}: '
+                            + ', '.join(f'{name} {ms:.0f}ms' for name, ms in top),
+                            flush=True,
+                        )
     result = dict(
         bench_common.run_metadata(),
         startup=True,
@@ -479,12 +513,15 @@ def main(argv):
         twin_cells=bench_common.library_default('twin_cells', TWINS.value),
         cell_grappler=bench_common.library_default('cell_grappler', CELL_GRAPPLER.value),
         measured=MEASURE.value,
+        grappler_passes=GRAPPLER_PASSES.value,
         rows=rows,
         summary=summarise(rows),
     )
-    from results_table import startup_table
+    from results_table import startup_grappler_table, startup_table
 
     print('\n'.join(startup_table(result)))
+    if GRAPPLER_PASSES.value:
+        print('\n'.join(startup_grappler_table([result])))
     if OUTPUT.value:
         bench_common.write_json(OUTPUT.value, result)
 
