@@ -236,23 +236,24 @@ def test_results_table_leaves_every_page_whole_when_a_file_is_missing(tmp_path, 
 _STARTUP_SMALL = ['tools/startup.py', '--num_stages=2', '--layers=2', '--steps=1', '--batch_size=8']
 
 
+def _startup(path, *flags):
+    """tools/startup.py at its smallest with `flags`, its result in `path`: (the result, what
+    it printed)."""
+    printed = _run([*_STARTUP_SMALL, *flags, f'--output={path}'], timeout=600)
+    return json.loads(path.read_text()), printed
+
+
 def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
     """tools/startup.py at the smallest scale: every (K, L, M) and schedule in its own
     process, the plain step and the unrolled executor measured there too, the summary's ratios
     (to the plain step of the same process) and growth per micro-batch from the rows."""
-    out = tmp_path / 'startup.json'
-    printed = _run(
-        [
-            *_STARTUP_SMALL,
-            '--tick_loop',
-            '--compare_unrolled',
-            '--micro_batches=2,4',
-            '--schedules=1f1b,zero_bubble',
-            f'--output={out}',
-        ],
-        timeout=600,
+    result, printed = _startup(
+        tmp_path / 'startup.json',
+        '--tick_loop',
+        '--compare_unrolled',
+        '--micro_batches=2,4',
+        '--schedules=1f1b,zero_bubble',
     )
-    result = json.loads(out.read_text())
     assert result['command'].startswith('python tools/startup.py')
     kinds = sorted((r['kind'], r['schedule'], r['num_micro_batches']) for r in result['rows'])
     assert kinds == [
@@ -326,18 +327,9 @@ def test_startup_records_what_grappler_did_at_each_first_call(tmp_path):
     """--grappler_passes: every step's row holds Grappler's record from TF's own log (a
     changed log format fails the run), the pipeline's step has calls for the function optimizer
     and the plain step none, and the table renders the passes."""
-    out = tmp_path / 'grappler.json'
-    printed = _run(
-        [
-            *_STARTUP_SMALL,
-            '--micro_batches=2',
-            '--schedules=1f1b',
-            '--grappler_passes',
-            f'--output={out}',
-        ],
-        timeout=600,
+    result, printed = _startup(
+        tmp_path / 'grappler.json', '--micro_batches=2', '--schedules=1f1b', '--grappler_passes'
     )
-    result = json.loads(out.read_text())
     rows = {r['kind']: r for r in result['rows']}
     assert sorted(rows) == ['pipeline', 'plain']
     for r in rows.values():
@@ -354,12 +346,9 @@ def test_startup_runs_without_grappler_on_the_step_when_asked(tmp_path):
     that Grappler was off for the plain step and the pipeline's alike; by default it is on."""
     rows = {}
     for flag in ('--nostep_grappler', '--step_grappler'):
-        out = tmp_path / f'{flag}.json'
-        printed = _run(
-            [*_STARTUP_SMALL, flag, '--micro_batches=2', '--schedules=1f1b', f'--output={out}'],
-            timeout=600,
+        result, printed = _startup(
+            tmp_path / f'{flag}.json', flag, '--micro_batches=2', '--schedules=1f1b'
         )
-        result = json.loads(out.read_text())
         rows[flag] = result['rows']
         assert ('Grappler off in the whole process' in printed) == (flag == '--nostep_grappler')
     assert sorted(r['kind'] for r in rows['--nostep_grappler']) == ['pipeline', 'plain']
