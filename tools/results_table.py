@@ -70,13 +70,23 @@ def _grappler_rounds(results):
     that say `cell_grappler`."""
     off = [r for r in results if r.get('cell_grappler') is False]
     on = [r for r in results if r.get('cell_grappler') is not False]
+    return off, on, _written(results, _ab_command(results))
+
+
+def _written(results, commands):
+    """When, where and how files of rounds were measured: 'written <first date> to <last> on
+    <machine>, TF <version> (<commands>)'."""
     first = results[0]
-    written = (
+    return (
         f'written {min(r.get("date", "") for r in results)} to '
         f'{max(r.get("date", "") for r in results)} on {first.get("machine", "")}, TF '
-        f'{first.get("tf_version", "")} ({_ab_command(results)})'
+        f'{first.get("tf_version", "")} ({commands})'
     )
-    return off, on, written
+
+
+def _commands(results):
+    """Each file's command, quoted as code, in order."""
+    return '; '.join(f'`{r["command"]}`' for r in results if r.get('command'))
 
 
 def _median_span(values):
@@ -84,6 +94,12 @@ def _median_span(values):
     import statistics
 
     return statistics.median(values), min(values), max(values)
+
+
+def _median_range(values, fmt):
+    """'median [least–most]' of `values`, each in format `fmt`."""
+    median, least, most = _median_span(values)
+    return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]'
 
 
 def memory_grappler_table(results):
@@ -461,13 +477,10 @@ def startup_ab_table(results):
     the medians."""
     labels = list(dict.fromkeys(r['engine'] for r in results))
     first = results[0]
-    dates = sorted(r.get('date', '') for r in results)
-    commands = '; '.join(f'`{r["command"]}`' for r in results if r.get('command'))
     lines = [
         f'{first["model"]}, recompute={first["recompute"]}; rounds of each version in turn, '
-        f'each (K, L, M) in a fresh process: the median [least–most] over the rounds; written '
-        f'{dates[0]} to {dates[-1]} on {first.get("machine", "")}, TF '
-        f'{first.get("tf_version", "")} ({commands}):',
+        f'each (K, L, M) in a fresh process: the median [least–most] over the rounds; '
+        f'{_written(results, _commands(results))}:',
         '',
         '| version | L | K | M | schedule | rounds | trace s | first call s | start-up s '
         "| steady ms | start-up / plain's | nodes: outer + library | start-up / the first "
@@ -485,8 +498,8 @@ def startup_ab_table(results):
             groups.setdefault(key, {}).setdefault(result['engine'], []).append((r, plain))
 
     def cell(values, scale=1.0, fmt='.1f'):
-        median, least, most = _median_span([v * scale for v in values])
-        return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]', median
+        scaled = [v * scale for v in values]
+        return _median_range(scaled, fmt), _median_span(scaled)[0]
 
     kinds = {k[-1] for k in groups}
     for key in sorted(groups):
@@ -525,8 +538,6 @@ def startup_grappler_table(results):
     first call (TF's log, tools/grappler_log.py): its seconds and each pass's milliseconds, the
     median [least–most] over the rounds, and the graph's nodes before and after."""
     first = results[0]
-    dates = sorted(r.get('date', '') for r in results)
-    commands = '; '.join(f'`{r["command"]}`' for r in results if r.get('command'))
     groups = {}  # (L, K, M, step) -> [row's Grappler record]
     for result in results:
         for r in result['rows']:
@@ -544,9 +555,8 @@ def startup_grappler_table(results):
     lines = [
         f"{first['model']}, recompute={first['recompute']}: what Grappler did at each step's "
         "first call, from TF's log (`meta_optimizer.cc` at verbosity 1), each pass's time "
-        'summed over its rounds; the median [least–most] over the runs; written '
-        f'{dates[0]} to {dates[-1]} on {first.get("machine", "")}, TF '
-        f'{first.get("tf_version", "")} ({commands}):',
+        'summed over its rounds; the median [least–most] over the runs; '
+        f'{_written(results, _commands(results))}:',
         '',
         '| step | L | K | M | runs | nodes before → after | Grappler s | '
         + ' | '.join(f'{n} ms' for n in named)
@@ -554,20 +564,16 @@ def startup_grappler_table(results):
         '|---|---|---|---|---|---|---|' + '---|' * (len(named) + 1),
     ]
 
-    def cell(values, fmt):
-        median, least, most = _median_span(values)
-        return f'{median:{fmt}} [{least:{fmt}}–{most:{fmt}}]'
-
     for key in sorted(groups, key=lambda k: (k[0], k[1], k[2], not k[3].startswith('plain'), k[3])):
         records = groups[key]
         nodes = f'{records[0]["nodes_before"]} → {records[0]["nodes_after"]}'
-        passes = [cell([g['passes'].get(n, 0.0) for g in records], '.0f') for n in named]
-        other = cell(
+        passes = [_median_range([g['passes'].get(n, 0.0) for g in records], '.0f') for n in named]
+        other = _median_range(
             [sum(ms for n, ms in g['passes'].items() if n not in named) for g in records], '.0f'
         )
         lines.append(
             f'| {key[3]} | {key[0]} | {key[1]} | {key[2]} | {len(records)} | {nodes} | '
-            f'{cell([g["seconds"] for g in records], ".2f")} | '
+            f'{_median_range([g["seconds"] for g in records], ".2f")} | '
             + ' | '.join(passes)
             + f' | {other} |'
         )
