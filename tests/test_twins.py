@@ -1,13 +1,14 @@
-"""Twin cells (twins.py): cells of the same layers share one trace of their backward.
+"""Twin cells (twins.py): cells of the same layers share one trace of their forward and
+their backward.
 
 Pinned here: which forwards count as the same computation (names and devices aside, never a
 different constant or variable shape); a shared call with another cell's captures computes
 that cell's function, sparse gradients included; in a pipeline of identical cells, the middle
-cells call one backward function, each on its own device, with no device inside it; cells
-that differ trace their own (another activation; dropout, whose seed is a constant of the
-layer's name); and every schedule and recompute policy, unrolled and as a tick loop, gives
-the numbers of the pipeline whose cells trace their own (itself checked against the plain
-layer sequence in test_pipelined_layer.py).
+cells call one backward function and the first three one forward, each on its own device,
+with no device inside it; cells that differ trace their own (another activation; dropout,
+whose seed is a constant of the layer's name); and every schedule and recompute policy,
+unrolled and as a tick loop, gives the numbers of the pipeline whose cells trace their own
+(itself checked against the plain layer sequence in test_pipelined_layer.py).
 """
 
 import collections
@@ -94,8 +95,9 @@ def _run(pipe):
     return fn, np.asarray(loss), [np.asarray(tf.convert_to_tensor(g)) for g in grads]
 
 
-def _backward_calls(fn):
-    """{device: set of backward function names} over the traced step, outer graph and library."""
+def _backward_calls(fn, kind='Backward'):
+    """{device: set of backward (or `kind`) function names} over the traced step, outer graph
+    and library."""
     graph = fn.get_concrete_function(*_data()).graph.as_graph_def()
     calls = collections.defaultdict(set)
     bodies = {f.signature.name: f for f in graph.library.function}
@@ -104,7 +106,7 @@ def _backward_calls(fn):
         if 'trampoline' in name:  # call_op's: one call of the backward, placed by this node
             (inner,) = [n for n in bodies[name].node_def if n.op.endswith('PartitionedCall')]
             name = inner.attr['f'].func.name
-        if 'Backward' in name and 'ForwardBackward' not in name and node.device:
+        if kind in name and 'ForwardBackward' not in name and node.device:
             calls[node.device.split('/')[-1]].add(name)
     return calls, bodies
 
@@ -151,6 +153,26 @@ def test_the_first_cells_share_one_backward_trace_and_the_first_calls_its_part(l
     fn, *_ = _run(_pipe('1f1b', 'except_last', loop, False))
     calls, _ = _backward_calls(fn)
     assert len(set().union(*calls.values())) == 3  # each cell its own trace
+
+
+@pytest.mark.parametrize('loop', [False, True], ids=['unrolled', 'tick_loop'])
+def test_the_first_cells_call_one_forward_each_on_its_own_device(loop):
+    """Cells 0, 1 and 2 recompute every micro-batch: each calls the first cell's forward on its
+    own device, with no device inside it (the twins' traces prove it and are not called, so
+    the step's library holds one forward for the three); without twins, each its own."""
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, True))
+    calls, bodies = _backward_calls(fn, '_Forward_')
+    assert set(calls) == {f'device:CPU:{d}' for d in range(3)}
+    (shared,) = set().union(*calls.values())
+    assert all(calls[device] == {shared} for device in calls)
+    assert all(not n.device for n in bodies[shared].node_def)  # placed by its caller
+    assert [name for name in bodies if '_Forward_' in name] == [shared]
+
+    fn, *_ = _run(_pipe('1f1b', 'except_last', loop, False))
+    calls, bodies = _backward_calls(fn, '_Forward_')
+    assert len(set().union(*calls.values())) == 3
+    for name in set().union(*calls.values()):
+        assert all(n.device for n in bodies[name].node_def if n.op == 'MatMul')
 
 
 def test_cells_that_differ_trace_their_own():

@@ -107,11 +107,13 @@ class CellRunner:
         self._forward = self._Function(self._Forward, **options)
         self._backward = self._Function(self._Backward, **options)
         self._forward_backward = self._Function(self._ForwardBackward, **options)
-        # Twin cells (twins.py): the first cell of a group traces the shared backward without
-        # device annotations (each call is placed on its caller's device); a twin calls it.
+        # Twin cells (twins.py): the cells of a group trace their forwards, and the first the
+        # shared backward, without device annotations (each call is placed on its caller's
+        # device); a proven twin calls the first's.
         self._twin_of = None  # the group's first runner, on a twin
         self._variable_of = None  # id(handle) -> variable, of every cell of the pipeline
-        self._twin_maps = {}  # call signature -> capture map, or None where not a twin
+        self._twin_maps = {}  # forward signature -> capture map, or None where not a twin
+        self._unshared = set()  # backward signatures whose shared backward does not map here
         self._shared_backward = None  # on the group's first runner
         self._forward_keys = set()  # signatures its forward was called or traced with
         # Last cell: signature -> whether its fused trace stands for its backward (_FusedFor).
@@ -182,8 +184,16 @@ class CellRunner:
         )
 
     def _Forward(self, inputs, targets, step, micro_batch, training):
-        with distribute.on(self.device), self._Scope(step, micro_batch, training):
+        place = tf.device(None) if self._Unplaced() else distribute.on(self.device)
+        with place, self._Scope(step, micro_batch, training):
             return self._Run(inputs, targets)
+
+    def _Unplaced(self):
+        """Whether the forward is traced without device annotations and placed where it is
+        called: a cell of a twin group (twins.py) where calls place by device name, so that its
+        twins can call the group's first forward on their own devices."""
+        grouped = self._twin_of is not None or self._shared_backward is not None
+        return grouped and distribute.places_by_device_name()
 
     def _Backward(self, inputs, targets, output_grads, step, micro_batch, want, placed=True):
         """want: 'all' (d_inputs and d_variables), 'inputs' (B) or 'variables' (W). With a
@@ -309,11 +319,33 @@ class CellRunner:
         key = _signature(args, training)
         self._forward_keys.add(key)
         if not (taped or self._jit or tf.executing_eagerly()):
-            concrete = self._Concrete(self._forward, ('forward', key), args + (training,))
-            out = self._CallUntaped(concrete, args)
+            # A proven twin calls its group's first forward with its own captures (twins.py).
+            concrete, captures = self._SharedForward(args, training) or (
+                self._Concrete(self._forward, ('forward', key), args + (training,)),
+                None,
+            )
+            out = self._CallUntaped(concrete, args, captures)
             if out is not None:
                 return out
-        return self._forward(inputs, targets, step, micro_batch, training)
+        place = distribute.on(self.device) if self._Unplaced() else contextlib.nullcontext()
+        with place:
+            return self._forward(inputs, targets, step, micro_batch, training)
+
+    def _SharedForward(self, args, training):
+        """(the group's first forward for these arguments, this cell's captures for it) when
+        this cell is a proven twin for them; else None, and it calls its own."""
+        first = self._twin_of
+        if first is None or not training or not distribute.places_by_device_name():
+            return None
+        mapping = self._Mapping(first, args)
+        if mapping is None:
+            return None
+        key = ('forward', _signature(args, True))
+        concrete = first._Concrete(first._forward, key, args + (True,))
+        values = [external for external, _ in concrete.graph.captures]
+        if any(id(v) not in mapping for v in values):
+            return None
+        return concrete, [mapping[id(v)] for v in values]
 
     def _CallUntaped(self, concrete, args, captures=None):
         """One call of `concrete` on this device through call_op (its outputs structured),
@@ -561,9 +593,7 @@ class CellRunner:
         if first is None or tf.executing_eagerly() or not distribute.places_by_device_name():
             return None
         key = _signature(args, 'all')
-        if key not in self._twin_maps:
-            self._twin_maps[key] = self._TwinMap(first, args)
-        mapping = self._twin_maps[key]
+        mapping = None if key in self._unshared else self._Mapping(first, args[:2] + args[3:])
         if mapping is None:
             return None
         shared = first._Concrete(first._shared_backward, ('shared', key), args + ('all',))
@@ -575,7 +605,7 @@ class CellRunner:
         if any(id(v) not in mapping for v in values) or any(
             id(v.handle) not in mapping for v in read
         ):
-            self._twin_maps[key] = None
+            self._unshared.add(key)
             return None
         captures = [mapping[id(v)] for v in values]
         if first is self:
@@ -584,20 +614,25 @@ class CellRunner:
         self._NoteRead(variables)
         return concrete, captures, variables
 
+    def _Mapping(self, first, args):
+        """The capture map from `first`'s forward for args (inputs, targets, step,
+        micro_batch) to this cell's, found once per signature (`_TwinMap`)."""
+        key = _signature(args, True)
+        if key not in self._twin_maps:
+            self._twin_maps[key] = self._TwinMap(first, args)
+        return self._twin_maps[key]
+
     def _TwinMap(self, first, args):
         """The capture map from `first`'s forward to this cell's (identity on `first`), or None
         when the two forwards for these arguments are not the same computation."""
-        inputs, targets, _, step, micro_batch = args
-        mine = self._forward.get_concrete_function(inputs, targets, step, micro_batch, True)
+        mine = self._forward.get_concrete_function(*args, True)
         if first is self:
             return {id(v): v for v, _ in mine.graph.captures}
         # Only a signature first's own forward ran with: a cell of other inputs (a functional
         # model's cells take different tensors) is never traced with this cell's.
-        if self._variable_of is None or _signature(args[:2] + args[3:], True) not in (
-            first._forward_keys
-        ):
+        if self._variable_of is None or _signature(args, True) not in first._forward_keys:
             return None
-        theirs = first._forward.get_concrete_function(inputs, targets, step, micro_batch, True)
+        theirs = first._forward.get_concrete_function(*args, True)
         return twins.capture_map(theirs, mine, self._variable_of)
 
 

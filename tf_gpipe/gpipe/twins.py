@@ -1,9 +1,11 @@
-"""Twin cells: cells that are the same layers share one trace of their backward.
+"""Twin cells: cells that are the same layers share one trace of their forward and backward.
 
 A stack of identical layers cut into K cells has K identical cells but for their variables.
 Each cell's recompute-backward (its forward again under a tape, then its gradient) is the most
 expensive trace of a pipeline step, so tracing it once for all of them cuts the step's trace
 and its function library by up to K - 1 such traces (docs/engine.md, "Start-up: twin cells").
+Each twin still traces its forward (the proof below), but calls the first cell's: the step's
+function library, which Grappler and the runtime read at the first call, holds one forward.
 
 Nothing is assumed from names or params: a cell is a twin of an earlier one only when their
 traced forwards are the same graph, op for op (types, attributes, inferred shapes and wiring;
@@ -11,7 +13,8 @@ names and devices aside), with no nested function, and the values they capture c
 one to one: variables of the same shape and dtype, or tensors of the same dtype and shape.
 The twin's backward is the first cell's, traced once without device annotations and called on
 the twin's device with the twin's captures in place of the first cell's; every value it
-captures must be one its forward captured too, so each has a counterpart. Anything else (a
+captures must be one its forward captured too, so each has a counterpart. The forwards of a
+group's cells are traced without device annotations too, each call placed on its cell's device. Anything else (a
 dropout seed that differs by layer name, a layer that branches on its name, a tf.distribute
 strategy, a TPU mesh) makes a cell trace its own backward, as before.
 """
