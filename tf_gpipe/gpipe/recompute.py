@@ -320,7 +320,7 @@ class CellRunner:
         self._forward_keys.add(key)
         if not (taped or self._jit or tf.executing_eagerly()):
             # A proven twin calls its group's first forward with its own captures (twins.py).
-            concrete, captures = self._SharedForward(args, training) or (
+            concrete, captures = self._SharedForward(args, key) or (
                 self._Concrete(self._forward, ('forward', key), args + (training,)),
                 None,
             )
@@ -331,21 +331,19 @@ class CellRunner:
         with place:
             return self._forward(inputs, targets, step, micro_batch, training)
 
-    def _SharedForward(self, args, training):
+    def _SharedForward(self, args, key):
         """(the group's first forward for these arguments, this cell's captures for it) when
-        this cell is a proven twin for them; else None, and it calls its own."""
+        this cell is a proven twin for them; else None, and it calls its own. `key`: the
+        call's signature, `_signature(args, training)`; only a training forward is proven."""
         first = self._twin_of
-        if first is None or not training or not distribute.places_by_device_name():
+        if first is None or not key[-1] or not distribute.places_by_device_name():
             return None
-        mapping = self._Mapping(first, args)
+        mapping = self._Mapping(first, args, key)
         if mapping is None:
             return None
-        key = ('forward', _signature(args, True))
-        concrete = first._Concrete(first._forward, key, args + (True,))
-        values = [external for external, _ in concrete.graph.captures]
-        if any(id(v) not in mapping for v in values):
-            return None
-        return concrete, [mapping[id(v)] for v in values]
+        concrete = first._Concrete(first._forward, ('forward', key), args + (True,))
+        captures = _mapped(concrete, mapping)
+        return None if captures is None else (concrete, captures)
 
     def _CallUntaped(self, concrete, args, captures=None):
         """One call of `concrete` on this device through call_op (its outputs structured),
@@ -593,31 +591,33 @@ class CellRunner:
         if first is None or tf.executing_eagerly() or not distribute.places_by_device_name():
             return None
         key = _signature(args, 'all')
-        mapping = None if key in self._unshared else self._Mapping(first, args[:2] + args[3:])
+        forward_args = args[:2] + args[3:]
+        mapping = (
+            None
+            if key in self._unshared
+            else self._Mapping(first, forward_args, _signature(forward_args, True))
+        )
         if mapping is None:
             return None
         shared = first._Concrete(first._shared_backward, ('shared', key), args + ('all',))
         concrete = first._Part(shared, want)
-        values = [external for external, _ in concrete.graph.captures]
+        captures = _mapped(concrete, mapping)
         # Its d_variables belong to first's read variables as they were at its trace (a
         # prefix of the list now); each must be one this cell's forward has a counterpart of.
         read = first.read_variables
-        if any(id(v) not in mapping for v in values) or any(
-            id(v.handle) not in mapping for v in read
-        ):
+        if captures is None or any(id(v.handle) not in mapping for v in read):
             self._unshared.add(key)
             return None
-        captures = [mapping[id(v)] for v in values]
         if first is self:
             return concrete, captures, list(read)
         variables = [self._variable_of[id(mapping[id(v.handle)])] for v in read]
         self._NoteRead(variables)
         return concrete, captures, variables
 
-    def _Mapping(self, first, args):
+    def _Mapping(self, first, args, key):
         """The capture map from `first`'s forward for args (inputs, targets, step,
-        micro_batch) to this cell's, found once per signature (`_TwinMap`)."""
-        key = _signature(args, True)
+        micro_batch) to this cell's, found once per signature `key` (`_signature(args, True)`,
+        see `_TwinMap`)."""
         if key not in self._twin_maps:
             self._twin_maps[key] = self._TwinMap(first, args)
         return self._twin_maps[key]
@@ -634,6 +634,15 @@ class CellRunner:
             return None
         theirs = first._forward.get_concrete_function(*args, True)
         return twins.capture_map(theirs, mine, self._variable_of)
+
+
+def _mapped(concrete, mapping):
+    """`concrete`'s captured values as `mapping` (a twin map) maps them, or None when one has
+    no counterpart."""
+    values = [external for external, _ in concrete.graph.captures]
+    if any(id(v) not in mapping for v in values):
+        return None
+    return [mapping[id(v)] for v in values]
 
 
 def _signature(args, want):

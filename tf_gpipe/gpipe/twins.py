@@ -14,9 +14,10 @@ one to one: variables of the same shape and dtype, or tensors of the same dtype 
 The twin's backward is the first cell's, traced once without device annotations and called on
 the twin's device with the twin's captures in place of the first cell's; every value it
 captures must be one its forward captured too, so each has a counterpart. The forwards of a
-group's cells are traced without device annotations too, each call placed on its cell's device. Anything else (a
-dropout seed that differs by layer name, a layer that branches on its name, a tf.distribute
-strategy, a TPU mesh) makes a cell trace its own backward, as before.
+group's cells are traced without device annotations too, each call placed on its cell's
+device. Anything else (a dropout seed that differs by layer name, a layer that branches on
+its name, a tf.distribute strategy, a TPU mesh) makes a cell trace its own backward, as
+before.
 """
 
 import tensorflow as tf
