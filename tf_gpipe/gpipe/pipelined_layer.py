@@ -32,6 +32,7 @@ from tf_gpipe.gpipe import (
     recompute,
     replication,
     schedules,
+    young_heap,
 )
 from tf_gpipe.gpipe import cells as cell_plan
 from tf_gpipe.gpipe.recompute import CellRunner
@@ -376,6 +377,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         """Eval: the pipelined forward. Training: fill-drain as one differentiable op (under a
         tape, the backward runs when the caller asks for gradients); other schedules need the
         loss inside the pipeline: use ComputeGradients."""
+        with young_heap.build():
+            return self._FProp(inputs)
+
+    def _FProp(self, inputs):
         p = self.params
         ctx = fprop_context.current()
         step = self._Step()
@@ -425,7 +430,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             out_structure.append(merged)
 
             def grad(*dys, variables=None):
-                return self._FPropBackward(runs, merged, dys, flat, variables or [])
+                with young_heap.build():
+                    return self._FPropBackward(runs, merged, dys, flat, variables or [])
 
             return tf.nest.flatten(merged), grad
 
@@ -513,6 +519,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         structure) are split into micro-batches alike. With return_outputs, the last stage's
         outputs of the whole batch come third.
         """
+        with young_heap.build():
+            return self._ComputeGradients(inputs, targets, loss_fn, return_outputs)
+
+    def _ComputeGradients(self, inputs, targets, loss_fn, return_outputs):
         step = self._Step()
         inputs = _AsTuple(inputs)
         in_shards = self._Shards(inputs, first=True)
