@@ -274,6 +274,7 @@ def test_startup_measures_the_pipeline_beside_the_plain_sequence(tmp_path):
         assert r['startup_s'] == pytest.approx(r['trace_s'] + r['first_call_s'])
         assert r['outer_nodes'] > 0 and r['steady_s'] > 0
         assert r['trace_cpu_s'] > 0 and r['first_call_cpu_s'] > 0
+        assert 0 <= r['trace_gc_s'] <= r['trace_s'] and r['trace_full_gcs'] >= 0
     # One plain step per schedule's process; each schedule's ratio is to its own.
     assert sorted(r['beside'] for r in result['rows'] if r['kind'] == 'plain') == [
         '1f1b',

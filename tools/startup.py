@@ -16,13 +16,15 @@ worker processes on 127.0.0.1, one core each): a warm-up op, then the plain sequ
 step (one device), then the schedule's `ComputeGradients` step (and the unrolled executor's
 with --compare_unrolled), all on a
 Transformer stack (d=--dim, 2 heads, hidden 2d, batch 64 x 16 tokens). Per step: trace seconds
-(`get_concrete_function`), first-call seconds (wall clock, and the process's CPU time in the
+(`get_concrete_function`; of them, the seconds in Python's garbage collections and how many
+were full ones), first-call seconds (wall clock, and the process's CPU time in the
 rows: steadier on a shared host), nodes of the outer graph and of its function
 library, and the steady step (median of --steps calls). Printed: start-up (trace + first call)
 per M, its growth from the smallest to the largest M, the ratio to the plain step's at the
 largest M, and the nodes each extra micro-batch adds.
 """
 
+import gc
 import json
 import os
 import statistics
@@ -130,12 +132,14 @@ def _measure(step, args):
     import tensorflow as tf
 
     fn = tf.function(step)
+    collections = _CollectionClock()
     # Process CPU time beside wall time: on a shared host the wall clock also counts the time
     # others took the cores (one commit's start-up at M=32, K=4, L=64: medians 48.3 and 65.8 s
     # in two runs 45 minutes apart), the CPU time less so. The first call's counts every
     # thread of the process (its one step's too); with --workers, this client's alone.
     c0, t0 = time.process_time(), time.perf_counter()
-    concrete = fn.get_concrete_function(*args)
+    with collections:
+        concrete = fn.get_concrete_function(*args)
     c1, t1 = time.process_time(), time.perf_counter()
     tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
     c2, t2 = time.process_time(), time.perf_counter()
@@ -146,11 +150,36 @@ def _measure(step, args):
         startup_s=t2 - t0,
         trace_cpu_s=c1 - c0,
         first_call_cpu_s=c2 - c1,
+        trace_gc_s=collections.seconds,  # in Python's garbage collections, of trace_s
+        trace_full_gcs=collections.full,  # of them generation-2 (whole-heap) collections
         function=tf.compat.as_str(concrete.name),  # Grappler's item name in TF's log
         outer_nodes=len(graph.node),
         library_nodes=sum(len(f.node_def) for f in graph.library.function),
     )
     return row, lambda: tf.nest.map_structure(lambda t: t.numpy(), fn(*args))
+
+
+class _CollectionClock:
+    """Seconds spent in Python's garbage collections inside the `with` body, and how many of
+    them were full (generation 2): each of those scans every object the process tracks."""
+
+    def __init__(self):
+        self.seconds, self.full, self._start = 0.0, 0, None
+
+    def _callback(self, phase, info):
+        if phase == 'start':
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full += info['generation'] == 2
+            self._start = None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
 
 
 def _schedules():
@@ -473,7 +502,8 @@ def main(argv):
                     print(
                         f'K={k} L={num_layers} M={m} run {run} {r["kind"]:8s} {r["schedule"]:16s} '
                         f'trace {r["trace_s"]:6.2f}s first {r["first_call_s"]:6.2f}s '
-                        f'(CPU {r["trace_cpu_s"]:6.2f}s {r["first_call_cpu_s"]:6.2f}s) '
+                        f'(CPU {r["trace_cpu_s"]:6.2f}s {r["first_call_cpu_s"]:6.2f}s; '
+                        f'GC in trace {r["trace_gc_s"]:5.2f}s, {r["trace_full_gcs"]} full) '
                         f'steady {1e3 * r["steady_s"]:7.1f}ms nodes {r["outer_nodes"]} '
                         f'lib {r["library_nodes"]}',
                         flush=True,
