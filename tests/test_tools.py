@@ -573,3 +573,37 @@ def test_startup_ab_table_keeps_each_executor_apart_and_each_round_to_its_own_pl
     assert body[1].endswith('| 2.00 [2.00–2.00] | 5 + 7 | 0.50 |')  # 4 against a's median 8
     assert '| gpipe (unrolled) |' in body[2]
     assert body[2].endswith('| 3.00 [3.00–3.00] | 5 + 7 | 1.00 |')
+
+
+def test_startup_ab_table_shows_the_traces_collections_when_every_row_has_them():
+    """Rounds that recorded their traces' garbage collections get two more columns (the
+    pipeline's and its process's plain step's); older files render as they always did."""
+    import results_table
+
+    def result(label, gc_s, full, with_gc=True):
+        common = dict(layers=8, num_stages=2, num_micro_batches=4, steady_s=0.1, outer_nodes=5)
+        common.update(trace_s=1.0, first_call_s=1.0, startup_s=2.0, library_nodes=7)
+        rows = [
+            dict(
+                common, kind='plain', schedule='', beside='1f1b', trace_gc_s=0.2, trace_full_gcs=1
+            ),
+            dict(common, kind='pipeline', schedule='1f1b', trace_gc_s=gc_s, trace_full_gcs=full),
+        ]
+        if not with_gc:
+            rows = [{k: v for k, v in r.items() if not k.startswith('trace_')} for r in rows]
+            rows = [dict(r, trace_s=1.0) for r in rows]
+        meta = dict(model='t', recompute='r', machine='m', tf_version='v', date='d')
+        return dict(meta, startup=True, engine=label, command='c', rows=rows)
+
+    lines = results_table.startup_ab_table(
+        [result('a', 0.3, 1), result('a', 0.5, 2), result('b', 0.07, 1)]
+    )
+    assert lines[2].endswith(
+        "| of the trace, in GC s (full ones) | the plain step's, in GC s (full ones) |"
+    )
+    assert lines[3].count('|') == lines[2].count('|')
+    a, b = (line for line in lines if line.startswith(('| a', '| b')))
+    assert a.endswith('| 1.00 | 0.40 [0.30–0.50] (1–2) | 0.20 [0.20–0.20] (1) |')
+    assert b.endswith('| 1.00 | 0.07 [0.07–0.07] (1) | 0.20 [0.20–0.20] (1) |')
+    old = results_table.startup_ab_table([result('a', 0, 0, False), result('b', 0, 0, False)])
+    assert 'GC' not in old[2] and old[3] == '|---|' + '---|' * 12

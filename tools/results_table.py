@@ -477,6 +477,13 @@ def startup_ab_table(results):
     the medians."""
     labels = list(dict.fromkeys(r['engine'] for r in results))
     first = results[0]
+    # Files that recorded the trace's garbage collections (trace_gc_s) get two more columns.
+    with_gc = all('trace_gc_s' in r for result in results for r in result['rows'])
+    gc_head = (
+        "| of the trace, in GC s (full ones) | the plain step's, in GC s (full ones) "
+        if with_gc
+        else ''
+    )
     lines = [
         f'{first["model"]}, recompute={first["recompute"]}; rounds of each version in turn, '
         f'each (K, L, M) in a fresh process: the median [least–most] over the rounds; '
@@ -484,8 +491,8 @@ def startup_ab_table(results):
         '',
         '| version | L | K | M | schedule | rounds | trace s | first call s | start-up s '
         "| steady ms | start-up / plain's | nodes: outer + library | start-up / the first "
-        "version's |",
-        '|---|---|---|---|---|---|---|---|---|---|---|---|---|',
+        f"version's {gc_head}|",
+        '|---|---|---|---|---|---|---|---|---|---|---|---|---|' + '---|' * (2 if with_gc else 0),
     ]
     groups = {}  # (L, K, M, schedule, kind) -> {label: [(row, its process's plain row)]}
     for result in results:
@@ -521,12 +528,27 @@ def startup_ab_table(results):
             nodes = f'{rows[0]["outer_nodes"]} + {rows[0]["library_nodes"]}' if rows else ''
             # Both executors in one process: the label's executor (the file's) names neither.
             shown = label.rsplit(': ', 1)[0] if len(kinds) > 1 else label
+            gc_cells = ''
+            if with_gc:
+                plains = [p for _, p in pairs if p is not None]
+                gc_cells = f' {_collections(rows)} | {_collections(plains)} |'
             lines.append(
                 f'| {shown} | {key[0]} | {key[1]} | {key[2]} | {schedule} | {len(rows)} '
                 f'| {trace} | {first_call} | {startup} | {steady} | {vs_plain} | {nodes} '
-                f'| {median / base:.2f} |'
+                f'| {median / base:.2f} |{gc_cells}'
             )
     return lines
+
+
+def _collections(rows):
+    """The seconds of the rows' traces spent in Python's garbage collections, median
+    [least–most], and how many full collections each trace ran (one number when all ran as
+    many)."""
+    if not rows:
+        return ''
+    full = sorted({r['trace_full_gcs'] for r in rows})
+    counts = str(full[0]) if len(full) == 1 else f'{full[0]}–{full[-1]}'
+    return f'{_median_range([r["trace_gc_s"] for r in rows], ".2f")} ({counts})'
 
 
 # Grappler's passes a table names apart; the others are summed in one column.
