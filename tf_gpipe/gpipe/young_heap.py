@@ -3,9 +3,9 @@ build allocated, not the whole heap that was there before it.
 
 A trace allocates many objects that live on (ops, tensors, functions), so CPython runs full
 (generation-2) collections during it, and each one walks every tracked object of the process:
-the user's model, data and everything else. At K=4, M=32 and 8 Transformer layers one such
-collection took 0.2 of a 2.4 s trace over 400k objects; a larger program pays it at every
-one (docs/engine.md, "Start-up: full collections during the build").
+the user's model, data and everything else (docs/engine.md, "Start-up: full collections
+during the build", has what they cost, and what this does not save: the first full
+collection after the build may come sooner than it would have).
 
 `build()` freezes the heap at entry (`gc.freeze`: what exists is set aside, not collected
 and not scanned) and gives it back at exit (`gc.unfreeze`), so garbage from before the build
