@@ -44,6 +44,23 @@ def test_capture_map_needs_the_same_computation_and_like_values():
     assert twins.capture_map(_reduce(a), _reduce(b), {}) is None  # variables not known
 
 
+def test_a_forward_is_read_once_however_many_twins_it_is_compared_with(monkeypatch):
+    reads = collections.Counter()
+    read = twins._read
+
+    def counted(concrete):
+        reads[concrete.name] += 1
+        return read(concrete)
+
+    monkeypatch.setattr(twins, '_read', counted)
+    a, b, c = (tf.Variable(tf.ones([3]), name=n) for n in 'abc')
+    variable_of = {id(v.handle): v for v in (a, b, c)}
+    first = _reduce(a)
+    assert twins.capture_map(first, _reduce(b), variable_of) is not None
+    assert twins.capture_map(first, _reduce(c), variable_of) is not None
+    assert sorted(reads.values()) == [1, 1, 1]  # first, b's and c's, each once
+
+
 def _sub(dropout=False, layers_per_cell=2, relu_cell=None):
     """2K tanh FC layers (relu in cell `relu_cell`), with a dropout layer at the start of each
     cell if asked."""

@@ -20,6 +20,8 @@ its name, a tf.distribute strategy, a TPU mesh) makes a cell trace its own backw
 before.
 """
 
+import weakref
+
 import tensorflow as tf
 
 # Attributes that name other nodes (colocation) or say where an op runs: not the computation.
@@ -30,9 +32,19 @@ def _has_function(attr):
     return attr.HasField('func') or (attr.HasField('list') and len(attr.list.func) > 0)
 
 
+# A group's first forward is compared with every twin's: its canonical form is read once.
+_canonical = weakref.WeakKeyDictionary()
+
+
 def canonical(concrete):
     """The computation of a traced function as comparable values, or None when it calls a
     nested function (not compared here). Also the positions of its captures' placeholders."""
+    if concrete not in _canonical:
+        _canonical[concrete] = _read(concrete)
+    return _canonical[concrete]
+
+
+def _read(concrete):
     graph_def = concrete.graph.as_graph_def(add_shapes=True)
     if graph_def.library.function:
         return None
