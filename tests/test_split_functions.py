@@ -95,22 +95,3 @@ def test_residuals_are_the_micro_batch_s_activations_not_copies_of_the_weights()
         shapes = [t.shape.as_list() for t in fns.residuals if t.dtype.is_floating]
         # A micro-batch has 2 rows; a weight is 4 x 4 and a bias 4: no residual is either.
         assert shapes and all(s[:1] == [2] for s in shapes), (dtype, shapes)
-
-
-def test_the_last_cell_s_f_and_b_call_is_its_trace_and_only_w_is_cut():
-    """With the loss head (zero-bubble's last cell in the tick loop), F and B in one call are
-    the cell's trace itself, a tf.function whose outputs are theirs: nothing imports the cell
-    a second time. W alone is cut from it."""
-    sub = [_fc(f'fc{i}') for i in range(4)]
-    pipe = _pipe(sub, 'except_last', num_micro_batches=8, tick_loop=True)
-    x = tf.ones([16, 4])
-    concrete = tf.function(
-        lambda: pipe.ComputeGradients(x, None, lambda y, t: tf.reduce_mean(y * y))
-    ).get_concrete_function()
-    library = {f.signature.name: f for f in concrete.graph.as_graph_def().library.function}
-    cuts = {n.split('_cut_')[1].rstrip('0123456789_') for n in library if '_cut_' in n}
-    assert cuts == {'weights'}, sorted(library)
-    (trace,) = [f for n, f in library.items() if '_forward_backward_' in n]
-    assert trace.attr['_noinline'].b  # called, as the cuts are, never inlined into the step
-    ops = {node.op for node in trace.node_def}
-    assert {'MatMul', 'TanhGrad'} <= ops  # the forward and B

@@ -12,14 +12,11 @@ per use), made by `tf.compat.v1.wrap_function`. `graph_cut.py` cuts it into thre
 So a kept micro-batch adds three calls to the step, whatever the cell's size, and W stays
 local; two on a cell whose output gradient is known at F (the last, with the loss): F and B
 as one call (`ForwardBackward`), which returns W's feeds, so that nothing else is carried.
-That cell's trace is a tf.function whose own outputs are F and B's, so the call is the trace
-and only W is cut from it (a cut is an import of what it holds: F and B cut out again would
-import the whole cell once more). Built once per cell and input signature.
+Built once per cell and input signature.
 
-`wrap_function` adds no automatic control dependencies, and the ops of one part keep no
-order with another part's, so the cut is refused (`build` returns None and the caller falls back to
-an unsplit B) when the forward writes a resource that it also reads: only then does the order
-of its stateful ops matter. Writes nobody reads in the forward
+`wrap_function` adds no automatic control dependencies, so the cut is refused (`build` returns
+None and the caller falls back to an unsplit B) when the forward writes a resource that it also
+reads: only then does the order of its stateful ops matter. Writes nobody reads in the forward
 (batch norm's accumulators) are fetched by F and run there; B and W never hold them, not even
 when a residual's op waits for one (`graph_cut` does not copy what a fed tensor depends on).
 """
@@ -50,9 +47,7 @@ def _frontier(ops):
 class SplitFunctions:
     """F, B and W of one cell for one input signature (see the module docstring)."""
 
-    def __init__(self, graph, parts, optimize=True, forward_backward=None):
-        """`graph`: the trace `build` cuts from; `forward_backward`: the trace itself when its
-        outputs are F and B's (a cell with the loss head)."""
+    def __init__(self, wrapped, parts, optimize=True):
         self._parts = parts
         self._optimize = optimize
         self.flat_outputs = tf.nest.flatten(parts['outputs'])
@@ -64,14 +59,10 @@ class SplitFunctions:
         self._residual_args = [arg_index.get(t.ref()) for t in residuals]
         fetched = [t for t in residuals if t.ref() not in arg_index]
         self._num_fetched = len(fetched)
-        self._source = graph_cut.Source(graph)
+        self._source = graph_cut.Source(wrapped.graph)
         self.forward = self._Cut('forward', args, self.flat_outputs + fetched + parts['stateful'])
         self._backward = {}
         self._forward_backward = {}
-        if forward_backward is not None:
-            self._forward_backward[True] = self._FusedCall(
-                grappler.Function(forward_backward, optimize), True
-            )
         w_fetch = parts['d_split']
         self.weights = (
             self._Cut('weights', parts['w_feeds'], w_fetch, after=True) if w_fetch else None
@@ -110,9 +101,13 @@ class SplitFunctions:
         if p['dy_phs']:
             raise ValueError('split_functions: F and B in one call need the output gradients')
         if want_inputs not in self._forward_backward:
-            fetch = _ForwardBackwardFetch(p, want_inputs)
+            arg_index = {t.ref(): i for i, t in enumerate(p['args'])}
+            w_fetched = [t for t in p['w_feeds'] if t.ref() not in arg_index]
+            d_x = p['d_x'] if want_inputs else []
+            fetch = self.flat_outputs + d_x + _flat_grads(p['d_unsplit']) + w_fetched
             fn = self._Cut('forward_backward', p['args'], fetch + p['stateful'])
-            self._forward_backward[want_inputs] = self._FusedCall(fn, want_inputs)
+            w_args = [arg_index.get(t.ref()) for t in p['w_feeds']]
+            self._forward_backward[want_inputs] = (fn, len(d_x), w_args)
         fn, n_x, w_args = self._forward_backward[want_inputs]
         results = _as_list(fn(*flat_args))
         n, n_u = len(self.flat_outputs), len(_flat_grads(p['d_unsplit']))
@@ -122,13 +117,6 @@ class SplitFunctions:
         w_feeds = [flat_args[i] if i is not None else next(fetched) for i in w_args]
         d_unsplit = _pack_grads(p['d_unsplit'], flat_u, self.unsplit_variables)
         return outputs, d_x, d_unsplit, w_feeds
-
-    def _FusedCall(self, fn, want_inputs):
-        """(fn, the number of d_x it returns, where each of W's feeds is among the arguments
-        or None: returned after the gradients)."""
-        arg_index = {t.ref(): i for i, t in enumerate(self._parts['args'])}
-        n_x = len(self._parts['d_x']) if want_inputs else 0
-        return fn, n_x, [arg_index.get(t.ref()) for t in self._parts['w_feeds']]
 
     @property
     def weight_feeds(self):
@@ -230,12 +218,7 @@ class _Unsplit:
 def build(runner, inputs, targets, step, micro_batch, split=True):
     """SplitFunctions of `runner`'s cell for these arguments, or None when the forward's
     stateful ops need an order (see the module docstring). `split=False`: no W, B computes
-    every weight gradient (F and B of a kept micro-batch, for a schedule that does not split).
-
-    A cell with the loss head (its output gradient known at F) is traced as a tf.function
-    whose outputs are F and B's (`ForwardBackward`): that call is the trace itself, and only
-    W (and F or B alone, if asked for) is cut from it; cutting F and B out again would import
-    the whole cell a second time."""
+    every weight gradient (F and B of a kept micro-batch, for a schedule that does not split)."""
     flat_args = [t for t in tf.nest.flatten((inputs, targets)) if t is not None]
     flat_args += [step, micro_batch]
     specs = [
@@ -243,7 +226,6 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
         for t in flat_args
     ]
     parts = {}
-    fused = runner.head is not None
 
     def body(*placeholders):
         args = list(placeholders)
@@ -261,7 +243,7 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
             uses = weight_gradients.Uses(fwd_ops, variables) if split else _Unsplit(variables)
             points = uses.Tensors()
             b_first = len(graph.get_operations())
-            if fused:  # d (weighted loss) = 1
+            if runner.head is not None:  # d (weighted loss) = 1
                 ys, dys, dy_phs = [outputs[1]], [tf.ones([])], []
             else:
                 ys = [y for y in tf.nest.flatten(outputs) if _is_float(y)]
@@ -291,43 +273,19 @@ def build(runner, inputs, targets, step, micro_batch, split=True):
             d_split=d_split,
             uses=uses,
         )
-        if not fused:
-            return list(tf.nest.flatten(outputs)) + d_x + _flat_grads(d_unsplit) + d_split
-        # The trace's outputs are ForwardBackward's (W's ops, unused, are pruned when TF
-        # instantiates it); its automatic control dependencies run the forward's writes.
-        parts['cut'] = _Analyse(graph, parts)
-        return _ForwardBackwardFetch(parts, True) if parts['cut'] else []
+        return list(tf.nest.flatten(outputs)) + d_x + _flat_grads(d_unsplit) + d_split
 
-    if fused:
-
-        def forward_backward(*placeholders):
-            return body(*placeholders)
-
-        function = tf.function(forward_backward, autograph=False, experimental_attributes=_NOINLINE)
-        with grappler.calls(runner.grappler):
-            concrete = function.get_concrete_function(*specs)
-        if not parts['cut']:
-            return None
-        return SplitFunctions(concrete.graph, parts, runner.grappler, concrete)
     wrapped = tf.compat.v1.wrap_function(body, specs)
-    if not _Analyse(wrapped.graph, parts):
-        return None
-    return SplitFunctions(wrapped.graph, parts, runner.grappler)
-
-
-def _Analyse(graph, parts):
-    """Where `graph`, a trace of `build`'s body, is cut: adds the residuals, W's feeds, B's
-    tensors W reads and the forward's writes to `parts`; False when it cannot be cut."""
     fwd_ops = parts['fwd_ops']
     if _writes_read_resources(fwd_ops):
-        return False
+        return None
     fwd_side = set(fwd_ops) | {t.op for t in parts['args']}
     b_side = set(parts['b_ops'])
     # The variables' handles: placeholders of the trace that are not its arguments.
     arg_refs = {t.ref() for t in parts['args']}
     captures = {
         t.ref()
-        for op in graph.get_operations()
+        for op in wrapped.graph.get_operations()
         if op.type == 'Placeholder'
         for t in op.outputs
         if t.ref() not in arg_refs and t.dtype == tf.resource
@@ -338,7 +296,7 @@ def _Analyse(graph, parts):
     b_reads = [t for t in _frontier(parts['b_ops']) if not invariant(t)]
     w_feeds = [t for t in _frontier(parts['w_ops']) if not invariant(t)]
     if any(t.op not in fwd_side and t.op not in b_side for t in b_reads + w_feeds):
-        return False  # a tensor from outside the trace: no clean cut
+        return None  # a tensor from outside the trace: no clean cut
     residuals, seen = [], set()
     for t in b_reads + w_feeds:
         if t.op in fwd_side and t.ref() not in seen:
@@ -351,16 +309,7 @@ def _Analyse(graph, parts):
         b_to_w=[t for t in w_feeds if t.op in b_side and t.ref() not in dy_refs],
         stateful=[op for op in fwd_ops if op.type in WRITE_OPS],
     )
-    return True
-
-
-def _ForwardBackwardFetch(parts, want_inputs):
-    """What F and B in one call return: the outputs, d_x if wanted, the unsplit variables'
-    gradients and W's feeds that are not arguments."""
-    arg_refs = {t.ref() for t in parts['args']}
-    w_fetched = [t for t in parts['w_feeds'] if t.ref() not in arg_refs]
-    d_x = parts['d_x'] if want_inputs else []
-    return tf.nest.flatten(parts['outputs']) + d_x + _flat_grads(parts['d_unsplit']) + w_fetched
+    return SplitFunctions(wrapped, parts, runner.grappler)
 
 
 # Ops that write a resource (the recompute's check uses them too).
