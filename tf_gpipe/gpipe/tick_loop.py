@@ -2,8 +2,8 @@
 
 TF instantiates a called function once per call *site*: a step that calls each cell once per
 micro-batch starts up in time that grows with M even when the calls are small. Here the
-schedule becomes a table: each tick of a simulation of the schedule (every action one tick)
-gives each device at most one action to start, and the loop body holds, per device, one
+schedule becomes a table: each tick of a simulation of the schedule (F = W = 1, B = 2) gives
+each device at most one action to start, and the loop body holds, per device, one
 `tf.switch_case` over the actions that device can run (idle, F / B / W of each of its stages).
 Every call site exists once, whatever M: the step's program and its start-up do not grow with
 the micro-batches (Lingvo's GPipe runs its micro-batches as loop iterations for the same reason).
@@ -46,10 +46,9 @@ from tf_gpipe.gpipe.schedules import BACKWARD, FORWARD, WEIGHT
 from tf_gpipe.runtime import distribute
 
 _IDLE = 'idle'
-# Ticks between an action on one device and the first tick another device may use its result.
-# Every action is one tick in the table, but a B runs about twice an F: two ticks of slack, so
-# that a neighbour's B does not hold a device up (measured at K=4, L=16, M=32 when B was two
-# ticks in the table: a 3-tick delay was slower, more ticks for the same work).
+# Ticks between an action on one device and the first tick another device may use its result:
+# the longest action of the table (B = 2 ticks), so that a neighbour's B does not hold a device
+# up (measured at K=4, L=16, M=32: a 3-tick delay was slower, more ticks for the same work).
 DELAY = 2
 _FB = 'FB'  # forward and backward of a kept last-stage micro-batch in one call
 # A kept micro-batch elsewhere: F returns its residuals (carried in loop state), B and W read them.
@@ -184,16 +183,15 @@ class TickLoop:
     def _Table(self):
         """Per tick and device: (branch key, micro-batch); keys are (kind, stage).
 
-        Ticks are a simulation of the schedule with every action one tick and a message from
-        another device usable DELAY ticks after its sender started: the loop state a device
-        reads from another is DELAY ticks old (see Run), so no device waits for a neighbour's
-        action that the table does not say it needs. A tick orders a device's actions and
-        says which of its neighbours' messages it may read; how long an action runs is up to
-        the devices. With B two ticks (its cost), gpipe's table at K=4, M=32 had 108 ticks
-        (76 now) and 1F1B's 131 (122), each idle tick a pass of the loop body on every device;
-        a model of the pacing (the engine guide's tick-table section) finds the step no
-        longer (within 1%), and up to a tenth shorter."""
-        sim = schedules.simulate(self.sched, 1.0, 1.0, 1.0, transfer=lambda *_: DELAY - 1.0)
+        Ticks are a simulation of the schedule with F = W = 1 and B = 2 (B = 1 when split) and a
+        message from another device usable DELAY ticks after its sender started: the loop state
+        a device reads from another is DELAY ticks old (see Run), so no device waits for a
+        neighbour's action that the table does not say it needs."""
+        backward = 1.0 if self.sched.split_backward else 2.0
+        cost = {FORWARD: 1.0, BACKWARD: backward, WEIGHT: 1.0}
+        sim = schedules.simulate(
+            self.sched, 1.0, backward, 1.0, transfer=lambda dep, _: DELAY - cost[dep.phase]
+        )
         ticks = int(round(sim.makespan))
         table = [[(_IDLE, -1, -1)] * self.sched.num_devices for _ in range(ticks)]
         for a, (start, _) in sim.times.items():
