@@ -218,6 +218,41 @@ def test_except_last_recomputes_what_would_wait_across_ticks():
     assert len(loop('gpipe', 'never').carried) == 7  # all but the last cell's last one (fused)
 
 
+@pytest.mark.parametrize('schedule', SCHEDULES)
+@pytest.mark.parametrize('num_devices,num_m', [(2, 4), (4, 8), (4, 32)])
+def test_the_table_gives_every_action_its_inputs_in_time(schedule, num_devices, num_m):
+    """Each device's actions in its order, one per tick; an input from another device at
+    least DELAY ticks old, one from the same device older; as long as the schedule simulated
+    with F = W = 1 and B = 2 ticks (B = 1 when split)."""
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    sched = schedules.build(schedule, num_devices, num_m, v)
+    table = tick_loop.TickLoop(None, sched, 'always', 0, 0, None)._Table()
+    tick = {}
+    for t, row in enumerate(table):
+        for d, (kind, s, m) in enumerate(row):
+            if kind != 'idle':
+                assert sched.device_of(s) == d
+                tick[schedules.Action(kind, s, m)] = t
+
+    def inputs(a):  # an action the table leaves out (stage 0's empty B) passes on its own
+        for x in schedules.dependencies(sched, a):
+            yield from ([x] if x in tick else inputs(x))
+
+    for a, t in tick.items():
+        for x in inputs(a):
+            lag = 1 if sched.device_of(x.stage) == sched.device_of(a.stage) else tick_loop.DELAY
+            assert tick[x] <= t - lag, (a, x)
+    for d, acts in enumerate(sched.actions):
+        ticks = [tick[a] for a in acts if a in tick]
+        assert ticks == sorted(ticks), d
+    b = 1.0 if sched.split_backward else 2.0
+    cost = {schedules.FORWARD: 1.0, schedules.BACKWARD: b, schedules.WEIGHT: 1.0}
+    sim = schedules.simulate(
+        sched, 1.0, b, 1.0, transfer=lambda dep, _: tick_loop.DELAY - cost[dep.phase]
+    )
+    assert len(table) == sim.makespan
+
+
 def test_zero_bubble_last_cell_runs_f_and_b_as_one_call():
     """Zero-bubble's last cell does B right after F: one call for both (the loss's gradient is
     known at F), so only W's feeds cross ticks to its W; the other cells keep F, B and W."""
