@@ -68,3 +68,30 @@ def ancestors(fdef, name):
                 seen.add(i)
                 todo.append(i)
     return seen
+
+
+_CALLS = {'PartitionedCall', 'StatefulPartitionedCall'}
+
+
+def calls_run_elsewhere(graph_def):
+    """Ops inside a called function that carry a device other than their call's: a function
+    placed by its call (a cell, a device's gradient sums) runs there, from whichever device
+    calls it, only if it was traced unplaced. Follows calls into calls."""
+    functions = {f.signature.name: f for f in graph_def.library.function}
+    bad, seen = [], set()
+
+    def walk(name, device):
+        if (name, device) in seen or name not in functions:
+            return
+        seen.add((name, device))
+        for node in functions[name].node_def:
+            if node.device and _tail(node.device) != device:
+                bad.append(f'{name}/{node.name}: on {_tail(node.device)}, called on {device}')
+            if node.op in _CALLS:
+                walk(node.attr['f'].func.name, _tail(node.device) or device)
+
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    for node in nodes:
+        if node.op in _CALLS and node.device:
+            walk(node.attr['f'].func.name, _tail(node.device))
+    return bad

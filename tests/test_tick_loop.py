@@ -297,3 +297,41 @@ def test_a_cell_is_traced_only_for_the_calls_its_branches_make(
     tf.function(lambda x: pipe.ComputeGradients(x, x, _loss)).get_concrete_function(x)
     assert calls.count('fc3') == last_traces  # fc3 is the last cell's last layer
     assert calls.count('fc0') == first_traces  # the first cell: forward and recompute, or F/B/W
+
+
+@pytest.mark.parametrize('loop', [True, False])
+@pytest.mark.parametrize('schedule', SCHEDULES)
+def test_every_function_runs_on_the_device_that_calls_it(schedule, loop):
+    """A function traced once and called from several devices (the gradient sums' additions,
+    which cells of the same shapes share; a twin's backward) holds no device of its own: from
+    device d it runs on d. Traced under the first caller's device scope, every device's
+    sums would be added on that device, their lists copied there and back at every backward."""
+    fc = layers.FCLayer.Params().Set(input_dim=6, output_dim=6, activation='TANH')
+    v = 2 if schedule == 'interleaved_1f1b' else 1
+    pipe = (
+        gpipe.PipelinedLayer.Params()
+        .Set(
+            name='pipe',
+            sub=[fc.Copy().Set(name=f'fc{i}') for i in range(2 * K * v)],  # cells alike
+            num_partitions=K,
+            partition_by='uniform',
+            num_micro_batches=4,
+            schedule=schedule,
+            virtual_stages=v,
+            tick_loop=loop,
+        )
+        .Instantiate()
+    )
+    x = tf.random.stateless_normal([8, 6], [1, 2])
+    fn = tf.function(lambda x: pipe.ComputeGradients(x, x, _loss))
+    graph_def = fn.get_concrete_function(x).graph.as_graph_def()
+    assert placement_testing.calls_run_elsewhere(graph_def) == []
+    if schedule == 'gpipe':  # FProp under a tape: its loops' calls (forward_loop.py) too
+
+        def taped(x):
+            with tf.GradientTape() as tape:
+                loss = _loss(pipe.FProp(x), x)
+            return tape.gradient(loss, pipe.trainable_variables)
+
+        graph_def = tf.function(taped).get_concrete_function(x).graph.as_graph_def()
+        assert placement_testing.calls_run_elsewhere(graph_def) == []

@@ -52,9 +52,12 @@ def direct_calls():
 def trace(fn, *args):
     """`fn` traced for `args` (tensors or TensorSpecs) as a function TF never inlines: one
     trace to call directly, for helpers whose tf.function would otherwise be asked for its
-    trace with Python values as arguments at every call."""
+    trace with Python values as arguments at every call. Traced unplaced: one trace serves
+    calls on every device (cells of the same shapes share it), each call placing it where
+    the call is; traced under a device scope, it would run there from every device."""
     function = tf.function(fn, autograph=False, experimental_attributes={'_noinline': True})
-    return function.get_concrete_function(*args)
+    with tf.device(None):
+        return function.get_concrete_function(*args)
 
 
 def _types(tensors):
