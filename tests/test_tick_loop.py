@@ -31,14 +31,14 @@ def _sub(embedding=False):
     return sub
 
 
-def _pipe(schedule, policy, m, loop, embedding=False):
+def _pipe(schedule, policy, m, loop, embedding=False, sub=None):
     v = 2 if schedule == 'interleaved_1f1b' else 1
     return (
         gpipe.PipelinedLayer.Params()
         .Set(
             name='pipe',
             random_seed=1234,  # same weights and dropout masks in both pipelines
-            sub=_sub(embedding),
+            sub=sub or _sub(embedding),
             num_partitions=K,
             partition_by='uniform',
             num_micro_batches=m,
@@ -308,20 +308,8 @@ def test_every_function_runs_on_the_device_that_calls_it(schedule, loop):
     sums would be added on that device, their lists copied there and back at every backward."""
     fc = layers.FCLayer.Params().Set(input_dim=6, output_dim=6, activation='TANH')
     v = 2 if schedule == 'interleaved_1f1b' else 1
-    pipe = (
-        gpipe.PipelinedLayer.Params()
-        .Set(
-            name='pipe',
-            sub=[fc.Copy().Set(name=f'fc{i}') for i in range(2 * K * v)],  # cells alike
-            num_partitions=K,
-            partition_by='uniform',
-            num_micro_batches=4,
-            schedule=schedule,
-            virtual_stages=v,
-            tick_loop=loop,
-        )
-        .Instantiate()
-    )
+    alike = [fc.Copy().Set(name=f'fc{i}') for i in range(2 * K * v)]  # cells of one shape
+    pipe = _pipe(schedule, 'except_last', 4, loop, sub=alike)
     x = tf.random.stateless_normal([8, 6], [1, 2])
     fn = tf.function(lambda x: pipe.ComputeGradients(x, x, _loss))
     graph_def = fn.get_concrete_function(x).graph.as_graph_def()
