@@ -171,8 +171,14 @@ def test_a_results_command_reruns_as_written(monkeypatch):
 
     argv = ['tools/startup.py', '--label=projections as 2-D matmuls (B*T rows)', '--layers=8']
     monkeypatch.setattr(sys, 'argv', argv)
+    for name in bench_common.RESULT_ENV:
+        monkeypatch.delenv(name, raising=False)
     command = bench_common.run_metadata()['command']
     assert shlex.split(command) == ['python', *argv]
+    # A variable that changes the kernels is part of the command, set as a shell sets it.
+    monkeypatch.setenv('TF_ENABLE_ONEDNN_OPTS', '0')
+    with_env = bench_common.run_metadata()['command']
+    assert shlex.split(with_env) == ['TF_ENABLE_ONEDNN_OPTS=0', 'python', *argv]
     rounds = [
         dict(command=f'{command} --cell_grappler --output=/tmp/a.json'),
         dict(command=f'{command} --nocell_grappler --output=/tmp/b.json'),

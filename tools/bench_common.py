@@ -175,14 +175,28 @@ def median_times(steps, repeats, warmup=2):
     return [float(np.median(t)) for t in times]
 
 
+# Environment variables that change what TF computes or how fast (kernels, allocator, threads,
+# XLA): a result's command names those that were set, so that it reruns as measured.
+RESULT_ENV = (
+    'TF_ENABLE_ONEDNN_OPTS',
+    'TF_CPU_ALLOCATOR_USE_BFC',
+    'TF_CPU_BFC_MEM_LIMIT_IN_MB',
+    'TF_NUM_INTEROP_THREADS',
+    'TF_NUM_INTRAOP_THREADS',
+    'TF_XLA_FLAGS',
+)
+
+
 def run_metadata():
     """Where and how a result was measured: machine, TF version, date, command line (quoted
-    as a shell reads it, so that a flag with spaces reruns as written)."""
+    as a shell reads it, so that a flag with spaces reruns as written; the variables of
+    RESULT_ENV that were set come first, as a shell sets them)."""
+    env = [f'{k}={os.environ[k]}' for k in RESULT_ENV if k in os.environ]
     return dict(
         machine=f'{platform.machine()} {platform.system()}, {os.cpu_count()} cores',
         tf_version=tf.__version__,
         date=datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC'),
-        command=shlex.join(['python', os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
+        command=shlex.join([*env, 'python', os.path.relpath(sys.argv[0]), *sys.argv[1:]]),
     )
 
 
