@@ -100,7 +100,11 @@ def test_every_schedule_and_model_in_tf_function(schedule, v, model, references)
 @pytest.mark.parametrize('schedule,v', SCHEDULE_CASES)
 @pytest.mark.parametrize('policy', ['always', 'never'])
 def test_each_device_runs_its_actions_in_schedule_order(schedule, v, policy):
-    from tests.test_pipelined_layer import _action_ops, _ancestors, _assert_stamps_unchained
+    from tests.test_pipelined_layer import (
+        _action_ops,
+        _ancestors,
+        _assert_stamps_follow_the_data,
+    )
     from tf_gpipe.gpipe import trace
 
     pipe = _pipe(MODELS['fc']()[0], 2, 4, policy, schedule, v)
@@ -122,7 +126,7 @@ def test_each_device_runs_its_actions_in_schedule_order(schedule, v, policy):
         for previous, action in zip(on_device, on_device[1:]):
             done = _action_ops(previous)
             assert done and done <= _ancestors(action.start.op), (previous, action)
-    _assert_stamps_unchained(events)
+    _assert_stamps_follow_the_data(events, sched.device_of)
 
 
 @pytest.mark.parametrize(

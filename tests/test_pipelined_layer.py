@@ -436,7 +436,7 @@ def test_each_device_runs_its_actions_in_schedule_order(policy):
             # ancestors of the op that marks this action's start.
             done = _action_ops(previous)
             assert done and done <= _ancestors(action.start.op), (previous, action)
-    _assert_stamps_unchained(events)
+    _assert_stamps_follow_the_data(events)
 
 
 def _is_stamp(op):
@@ -464,15 +464,37 @@ def _ancestors(op):
     return seen
 
 
-def _assert_stamps_unchained(events):
-    """The trace only observes: no stamp waits for another action's stamp (tf.function's
-    automatic control dependencies would chain them across devices); an end stamp waits for
-    its own action's start stamp only."""
+def _assert_stamps_follow_the_data(events, device_of=lambda stage: stage):
+    """Each action runs between its stamps, and stamps are chained by the data alone.
+
+    No stamp has a control input (tf.function's automatic control dependencies would chain
+    them in program order, across devices). A start stamp waits for the end stamps of the
+    actions whose results the action takes (the device's previous action; F's the previous
+    stage's F, B's the next stage's B), and for no stamp those do not wait for. An end stamp
+    waits for its start and nothing more; every op it waits for runs after that start, or
+    before it (an input, a fused call's work), or is a constant."""
     stamps = {op for e in events for op in (e.start.op, e.end.op)}
-    for e in events:
-        for op, own in ((e.start.op, set()), (e.end.op, {e.start.op})):
+    by_key = {(e.phase, e.stage, e.micro_batch): e for e in events}
+    allowed = {}  # id(event) -> the stamps its start stamp may wait for
+    for i, e in enumerate(events):
+        for op in (e.start.op, e.end.op):
             assert not op.control_inputs, op
-            assert _ancestors(op) & stamps == own, op
+        here = [p for p in events[:i] if device_of(p.stage) == device_of(e.stage)]
+        taken = {'F': ('F', e.stage - 1), 'B': ('B', e.stage + 1)}.get(e.phase, ())
+        taken = by_key.get(taken + (e.micro_batch,))
+        producers = here[-1:] + ([taken] if taken is not None else [])
+        waits = _ancestors(e.start.op) & stamps
+        for p in producers:
+            assert p.end.op in waits, (e, 'does not wait for the end of', p)
+        allowed[id(e)] = set()
+        for p in here + producers:
+            allowed[id(e)] |= allowed[id(p)] | {p.start.op, p.end.op}
+        assert waits <= allowed[id(e)], (e, waits - allowed[id(e)])
+        assert _ancestors(e.end.op) & stamps == waits | {e.start.op}, e
+        before = _ancestors(e.start.op)
+        for op in _action_ops(e):
+            source = not op.inputs and not op.control_inputs  # a constant gradient
+            assert source or op in before or e.start.op in _ancestors(op), (e, op)
 
 
 def _replicated(sub, r, k, m, policy='always', **kw):

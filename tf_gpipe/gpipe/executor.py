@@ -171,7 +171,7 @@ class Executor:
         targets = self._targets.get(m) if last else None
         with distribute.on(runner.device):
             x = self._Ordered(s, self._inputs[(s, m)])
-            t0 = trace.start(x, runner.device)
+            t0, x = trace.start(x, runner.device)
             if (s, m) in self.fused:
                 # B's work too: a kept micro-batch's backward as a call of its own would hold
                 # every activation until its last weight gradient (a call frees its inputs
@@ -187,7 +187,7 @@ class Executor:
             else:
                 with stop_recording():
                     y = runner.Forward(x, targets, self.step, self._Mb(m), taped=False)
-            trace.end(t0, FORWARD, s, m, y)
+            y = trace.end(t0, FORWARD, s, m, y)
         self._inputs[(s, m)] = x
         self._Done(s, y)
         if last:
@@ -226,7 +226,8 @@ class Executor:
         with distribute.on(runner.device):
             dy = self._Ordered(s, self._OutputGrads(s, m))
             x, kept = self._Stored(s, m, final=not split)
-            t0 = trace.start(dy, runner.device)
+            # x and the kept forward too: a call may take no output gradient (a loss head's).
+            t0, (dy, x, kept) = trace.start((dy, x, kept), runner.device)
             point_grads = []
             if (s, m) in self._fused:  # done by F's call
                 d_x, d_vars = self._fused.pop((s, m))
@@ -242,8 +243,16 @@ class Executor:
                 else:
                     want = 'all' if want_x else 'variables'
                 d_x, d_vars = self._Backward(runner, x, kept, m, dy, want)
-            done = (d_x, [g for _, g in d_vars], point_grads, dy)
-            trace.end(t0, BACKWARD, s, m, done)
+            done = trace.end(t0, BACKWARD, s, m, (d_x, [g for _, g in d_vars], point_grads, dy))
+            # What later actions take from B, as it passes B's end stamp (the same when not
+            # recording): so a stamp downstream waits for B's end, not only for its start.
+            d_x, grads, point_grads, dy = done
+            d_vars = [(v, g) for (v, _), g in zip(d_vars, grads)]
+            how, state = self._w_state.get((s, m), (None, None))
+            if how == 'split':
+                self._w_state[(s, m)] = (how, (state[0], point_grads))
+            elif how == 'recompute':
+                self._w_state[(s, m)] = (how, dy)
             done += (self.sums.AddAll(d_vars),)
         self._Done(s, done)
         if want_x:
@@ -260,20 +269,21 @@ class Executor:
         with distribute.on(runner.device):
             x, kept = self._Stored(s, m, final=True)
             if how == 'done':  # B computed every weight gradient already: nothing to order
-                previous = self._last.get(self._Device(s))
-                trace.end(trace.start(previous, runner.device), WEIGHT, s, m, previous)
+                t0, previous = trace.start(self._last.get(self._Device(s)), runner.device)
+                self._last[self._Device(s)] = trace.end(t0, WEIGHT, s, m, previous)
                 return
             if how == 'split':
                 # One scalar waits for the device's previous action, not each of W's inputs.
                 token = self._Ordered(s, opaque(tf.zeros([], tf.int32)))
-                t0 = trace.start([token, state[1]], runner.device)
+                t0, (token, _) = trace.start([token, state[1]], runner.device)
                 d_vars = runner.SplitWeights(state, token)
             else:  # a recomputed micro-batch: re-derives the chain by recomputing the cell
                 dy = self._Ordered(s, state)
-                t0 = trace.start(dy, runner.device)
+                t0, dy = trace.start(dy, runner.device)
                 _, d_vars = self._Backward(runner, x, kept, m, dy, 'variables')
                 token = dy
-            trace.end(t0, WEIGHT, s, m, [g for _, g in d_vars])
+            grads = trace.end(t0, WEIGHT, s, m, [g for _, g in d_vars])
+            d_vars = [(v, g) for (v, _), g in zip(d_vars, grads)]
             totals = self.sums.AddAll(d_vars)
         self._Done(s, ([g for _, g in d_vars], token, totals))
 

@@ -2,15 +2,23 @@
 
 Inside `with trace.record() as events:` every PipelinedLayer built (traced) appends, per
 action, an Event whose `start` and `end` are `tf.timestamp()` tensors on the cell's device:
-`start` when the action's inputs exist, `end` when its outputs do. Return them from the traced
+`start` once the action's inputs exist, `end` once its outputs do. Return them from the traced
 step to read the times. Outside `record()` nothing is added.
 
-The trace is an observer: it adds stamps beside the program and changes nothing in it (same
-calls, same outputs). One subtlety: tf.function chains every
-stateful op that touches no resource (`Timestamp` among them) in program order, across
-devices, so a plain stamp would wait for the stamp before it, maybe for another device's work.
-Each stamp is therefore a small function call that takes a resource it only holds (a per-device
-anchor handle, never read or written): calls on a read-only resource are not chained.
+Each action runs between its two stamps: its inputs pass on only after its start stamp, its
+outputs only after its end stamp (`start` and `end` return them so). A stamp beside the program
+would be an op like any other, which a busy executor may run tens of milliseconds after its
+inputs exist (a worker thread takes the newest task it queued first): the stamps would then
+contradict the data (a consumer "starting" before its producer). As barriers they follow it by
+construction, at the price of two tiny calls per action; the outputs are the same. Cells are
+`_noinline` calls that hand over all their outputs together, so a consumer waits for nothing
+it did not wait for before.
+
+One subtlety: tf.function chains every stateful op that touches no resource (`Timestamp` among
+them) in program order, across devices, so a plain stamp would wait for the stamp before it,
+maybe for another device's work. Each stamp is therefore a small function call that takes a
+resource it only holds (a per-device anchor handle, never read or written): calls on a
+read-only resource are not chained, so stamps follow the data alone.
 """
 
 import collections
@@ -69,21 +77,34 @@ def stamp_after(structure, device):
         return _stamp(_anchor(device), token)
 
 
+def after(structure, stamp):
+    """`structure` passed through identities that wait for `stamp` (tensors only; anything
+    else, None and composite tensors' non-tensor parts, as it is)."""
+
+    def wait(t):
+        return tf.identity(t) if isinstance(t, tf.Tensor) else t
+
+    with tf.control_dependencies([stamp]):
+        return tf.nest.map_structure(wait, structure, expand_composites=True)
+
+
 def start(inputs, device):
-    """A token for `end` (None when not recording or in eager mode): the start stamp."""
+    """(token for `end`, `inputs` to run the action on): the start stamp and the inputs,
+    which then exist only after it. Not recording or in eager mode: (None, `inputs`)."""
     if not recording() or tf.executing_eagerly():
-        return None
-    return stamp_after(inputs, device), device
+        return None, inputs
+    stamp = stamp_after(inputs, device)
+    return (stamp, device), after(inputs, stamp)
 
 
 def end(token, phase, stage, micro_batch, outputs):
-    """Records an Event for the action begun with `token` (no-op when not recording)."""
+    """Records an Event for the action begun with `token` and returns `outputs`, which then
+    exist only after its end stamp (as they are when not recording)."""
     events = getattr(_local, 'events', None)
     if events is None or token is None:
-        return
+        return outputs
     t_start, device = token
-    # After the start stamp too: both wait for tensors that may exist at once, and the two stamp
-    # calls could otherwise run in either order.
-    events.append(
-        Event(phase, stage, micro_batch, t_start, stamp_after((outputs, t_start), device))
-    )
+    # After the start stamp too: an action may have no outputs that wait for it (W's instant).
+    t_end = stamp_after((outputs, t_start), device)
+    events.append(Event(phase, stage, micro_batch, t_start, t_end))
+    return after(outputs, t_end)
