@@ -98,6 +98,36 @@ def test_every_schedule_and_model_in_tf_function(schedule, v, model, references)
 
 
 @pytest.mark.parametrize('schedule,v', SCHEDULE_CASES)
+@pytest.mark.parametrize('model', ['fc', 'transformer'])
+def test_a_recorded_step_computes_what_the_plain_sequence_does(schedule, v, model, references):
+    """With a timeline recorded, each action runs between two stamps (gpipe/trace.py): the
+    values that pass them are copies, which must not cut a kept forward off its tape nor
+    change a gradient, under every policy (kept, fused, split B/W and recomputed ones)."""
+    from tf_gpipe.gpipe import trace
+
+    for policy in POLICIES:
+        pipe = _pipe(STACKS[model]()[0], 2, 4, policy, schedule, v)
+        with trace.record() as events:
+            got = _computed(pipe, model, function=True)
+        assert len(events) == len(schedules.execution_order(pipe.Schedule())), policy
+        _assert_close(got, references[model])
+
+
+def test_a_recorded_fprop_under_a_tape_computes_what_the_plain_sequence_does():
+    from tf_gpipe.gpipe import trace
+
+    sub, inputs = STACKS['fc']()
+    plain = _plain(sub)
+    want = tf.function(lambda *x: tpl._loss_and_grads(plain, x))(*inputs)
+    for policy in POLICIES:
+        pipe = _pipe(STACKS['fc']()[0], 2, 4, policy, 'gpipe')
+        with trace.record() as events:
+            got = tf.function(lambda *x, p=pipe: tpl._loss_and_grads(p, x))(*inputs)
+        assert len(events) == 16, policy
+        _assert_close(got, want)
+
+
+@pytest.mark.parametrize('schedule,v', SCHEDULE_CASES)
 @pytest.mark.parametrize('policy', ['always', 'never'])
 def test_each_device_runs_its_actions_in_schedule_order(schedule, v, policy):
     from tests.test_pipelined_layer import (

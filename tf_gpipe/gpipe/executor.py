@@ -226,14 +226,13 @@ class Executor:
         with distribute.on(runner.device):
             dy = self._Ordered(s, self._OutputGrads(s, m))
             x, kept = self._Stored(s, m, final=not split)
-            # x and the kept forward too: a call may take no output gradient (a loss head's).
-            t0, (dy, x, kept) = trace.start((dy, x, kept), runner.device)
+            t0, dy = trace.start(dy, runner.device)
             point_grads = []
             if (s, m) in self._fused:  # done by F's call
                 d_x, d_vars = self._fused.pop((s, m))
             elif split and kept is not None:
                 # Kept forward: B stops at the weights' uses, W finishes them locally.
-                d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x)
+                d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x, after=t0)
                 self._w_state[(s, m)] = ('split', w_state) if w_state else ('done', None)
                 point_grads = w_state[1] if w_state else []
             else:

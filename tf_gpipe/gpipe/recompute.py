@@ -31,7 +31,15 @@ import contextlib
 import tensorflow as tf
 
 from tf_gpipe import fprop_context
-from tf_gpipe.gpipe import call_op, graph_cut, grappler, split_functions, twins, weight_gradients
+from tf_gpipe.gpipe import (
+    call_op,
+    graph_cut,
+    grappler,
+    split_functions,
+    trace,
+    twins,
+    weight_gradients,
+)
 from tf_gpipe.gpipe.opaque import opaque
 from tf_gpipe.runtime import distribute
 
@@ -423,15 +431,18 @@ class CellRunner:
             )
         return self._split[key]
 
-    def SplitBackward(self, kept, output_grads, want_inputs):
+    def SplitBackward(self, kept, output_grads, want_inputs, after=None):
         """Zero-bubble's B on a kept forward: (d_float_inputs, [(variable, d_variable)] of the
-        variables B computes, state for `SplitWeights` or None)."""
+        variables B computes, state for `SplitWeights` or None). `after`: a recorded step's
+        start token (trace.py), which the residuals wait for (a loss head's B takes no output
+        gradient)."""
         if not isinstance(kept[0], split_functions.SplitFunctions):  # a tape: B does it all
             d_x, d_vars = self.BackwardKept(
                 kept, output_grads, 'all' if want_inputs else 'variables'
             )
             return d_x, d_vars, None
         fns, residuals = kept
+        residuals = trace.after_start(after, residuals)
         flat_dys = []
         if self.head is None:
             for y, dy in zip(fns.flat_outputs, tf.nest.flatten(output_grads)):

@@ -88,6 +88,12 @@ def after(structure, stamp):
         return tf.nest.map_structure(wait, structure, expand_composites=True)
 
 
+def after_start(token, structure):
+    """`structure` after the start stamp of `token` (as it is when `token` is None): for an
+    action whose call takes none of the inputs `start` passed on."""
+    return structure if token is None else after(structure, token[0])
+
+
 def start(inputs, device):
     """(token for `end`, `inputs` to run the action on): the start stamp and the inputs,
     which then exist only after it. Not recording or in eager mode: (None, `inputs`)."""
