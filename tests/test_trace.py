@@ -1,5 +1,7 @@
 """gpipe.trace: a timestamp pair per pipeline action, in an order the schedule allows."""
 
+import numpy as np
+import pytest
 import tensorflow as tf
 
 from tf_gpipe import gpipe, layers
@@ -66,3 +68,61 @@ def test_nothing_is_recorded_outside_record():
         pass
     pipe.FProp(tf.zeros([6, 8]))
     assert events == []
+
+
+def _same(got, want):
+    (loss, grads), (want_loss, want_grads) = got, want
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-6)
+    assert len(grads) == len(want_grads)
+    for g, w in zip(grads, want_grads):
+        assert isinstance(g, tf.IndexedSlices) == isinstance(w, tf.IndexedSlices)
+        np.testing.assert_allclose(tf.convert_to_tensor(g), tf.convert_to_tensor(w), rtol=1e-5)
+
+
+def _recorded_and_not(step):
+    want = tf.function(step)()
+    with trace.record() as events:
+        got = tf.function(step)()
+    assert events
+    return got, want
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zero_bubble'])
+def test_a_recorded_step_with_a_tied_embedding_computes_what_an_unrecorded_one_does(schedule):
+    """The embedding's sparse gradients pass the stamps as they are (IndexedSlices), and its
+    two uses' gradients still add up, under every policy."""
+    from tests.test_ownership import _tied_lm
+
+    ids = tf.random.stateless_uniform([8, 6], [1, 1], 0, 16, tf.int32)
+    labels = tf.random.stateless_uniform([8, 6], [2, 2], 0, 16, tf.int32)
+    for policy in gpipe.RECOMPUTE_POLICIES:
+        pipe = (
+            gpipe.PipelinedLayer.Params()
+            .Set(name='pipe', sub=_tied_lm(), num_partitions=2, partition_by='uniform')
+            .Set(num_micro_batches=4, schedule=schedule, recompute=policy, random_seed=5)
+            .Instantiate()
+        )
+        softmax = pipe.cells[-1].sub[-1]
+
+        def step(pipe=pipe, softmax=softmax):
+            loss_fn = lambda logits, y: softmax.XentLoss(logits, y).avg_xent  # noqa: E731
+            return pipe.ComputeGradients(ids, labels, loss_fn)
+
+        _same(*_recorded_and_not(step))
+
+
+@pytest.mark.parametrize('schedule', ['gpipe', '1f1b', 'zero_bubble'])
+def test_a_recorded_step_of_two_replicas_computes_what_an_unrecorded_one_does(schedule):
+    from tests import test_pipelined_layer as tpl
+
+    sub, (x,) = tpl._fc_model()
+    labels = tf.constant([0, 1, 2, 0, 1, 2, 0, 1])
+    for policy in ('always', 'never'):
+        pipe = tpl._replicated(sub, 2, 2, 2, policy, schedule=schedule)
+        softmax = pipe.AllLayers()[-1]
+
+        def step(pipe=pipe, softmax=softmax):
+            loss_fn = lambda logits, y: softmax.XentLoss(logits, y).avg_xent  # noqa: E731
+            return pipe.ComputeGradients(x, labels, loss_fn)
+
+        _same(*_recorded_and_not(step))
