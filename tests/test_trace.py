@@ -1,4 +1,5 @@
-"""gpipe.trace: a timestamp pair per pipeline action, in an order the schedule allows."""
+"""gpipe.trace: a timestamp pair per pipeline action, in an order the schedule allows, each
+action between its pair; a recorded step computes what an unrecorded one does."""
 
 import numpy as np
 import pytest

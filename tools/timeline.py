@@ -89,8 +89,8 @@ def measure(
         t0 = chosen[:, 0].min()
         out, last_end = [], {}
         for e, (a, b) in zip(events, chosen):  # events are in each device's run order
-            # A start stamp fires when the call's inputs exist; the device itself is free only
-            # when its previous call has ended (it runs its calls one after another).
+            # Each action waits for its device's previous one (and runs between its stamps,
+            # gpipe/trace.py), so this only guards the drawing against a clock step.
             device = e.stage % num_stages  # interleaved: cell c runs on device c mod K
             a = max(a, last_end.get(device, a))
             last_end[device] = b
@@ -168,8 +168,8 @@ def main(_):
     per_device, measured = bench_common.bubble(events, k, span)
 
     def mean(phase):
-        # Stamps sit beside the actions, not chained to them: an action shorter than the
-        # stamps' jitter can come out negative. Such a duration is noise: count it as 0.
+        # An end stamp waits for its start stamp: a duration is never negative but for a
+        # clock step, counted as 0.
         times = [max(e - s, 0.0) for p, _, _, s, e in events if p == phase]
         return float(np.mean(times)) if times else 0.0
 
