@@ -7,12 +7,11 @@ step to read the times. Outside `record()` nothing is added.
 
 Each action runs between its two stamps: its inputs pass on only after its start stamp, its
 outputs only after its end stamp (`start` and `end` return them so). A stamp beside the program
-would be an op like any other, which a busy executor may run tens of milliseconds after its
-inputs exist (a worker thread takes the newest task it queued first): the stamps would then
-contradict the data (a consumer "starting" before its producer). As barriers they follow it by
-construction, at the price of two tiny calls per action; the outputs are the same. Cells are
-`_noinline` calls that hand over all their outputs together, so a consumer waits for nothing
-it did not wait for before.
+is an op like any other, which a busy executor may run long after its inputs exist: in CI one
+fired after the action that takes its action's result had ended, so the stamps contradicted
+the data. As barriers they follow it by construction, at the price of two tiny calls per
+action; the outputs are the same. Cells are `_noinline` calls that hand over all their outputs
+together, so a consumer waits for no more work than before, only for the stamps.
 
 One subtlety: tf.function chains every stateful op that touches no resource (`Timestamp` among
 them) in program order, across devices, so a plain stamp would wait for the stamp before it,
