@@ -483,7 +483,8 @@ def _assert_stamps_follow_the_data(events, device_of=lambda stage: stage):
         taken = {'F': ('F', e.stage - 1), 'B': ('B', e.stage + 1)}.get(e.phase, ())
         taken = by_key.get(taken + (e.micro_batch,))
         producers = here[-1:] + ([taken] if taken is not None else [])
-        waits = _ancestors(e.start.op) & stamps
+        before = _ancestors(e.start.op)
+        waits = before & stamps
         for p in producers:
             assert p.end.op in waits, (e, 'does not wait for the end of', p)
         allowed[id(e)] = set()
@@ -491,7 +492,6 @@ def _assert_stamps_follow_the_data(events, device_of=lambda stage: stage):
             allowed[id(e)] |= allowed[id(p)] | {p.start.op, p.end.op}
         assert waits <= allowed[id(e)], (e, waits - allowed[id(e)])
         assert _ancestors(e.end.op) & stamps == waits | {e.start.op}, e
-        before = _ancestors(e.start.op)
         for op in _action_ops(e):
             source = not op.inputs and not op.control_inputs  # a constant gradient
             assert source or op in before or e.start.op in _ancestors(op), (e, op)

@@ -227,18 +227,18 @@ class Executor:
             dy = self._Ordered(s, self._OutputGrads(s, m))
             x, kept = self._Stored(s, m, final=not split)
             t0, dy = trace.start(dy, runner.device)
-            point_grads = []
+            point_grads, w_how, w_fns = [], None, None  # what W will need, once B has ended
             if (s, m) in self._fused:  # done by F's call
                 d_x, d_vars = self._fused.pop((s, m))
             elif split and kept is not None:
                 # Kept forward: B stops at the weights' uses, W finishes them locally.
                 d_x, d_vars, w_state = runner.SplitBackward(kept, dy, want_x, after=t0)
-                self._w_state[(s, m)] = ('split', w_state) if w_state else ('done', None)
-                point_grads = w_state[1] if w_state else []
+                w_how = 'split' if w_state else 'done'
+                w_fns, point_grads = w_state if w_state else (None, [])
             else:
                 if split:
                     want = 'inputs' if want_x else None
-                    self._w_state[(s, m)] = ('recompute', dy)
+                    w_how = 'recompute'
                 else:
                     want = 'all' if want_x else 'variables'
                 d_x, d_vars = self._Backward(runner, x, kept, m, dy, want)
@@ -247,11 +247,9 @@ class Executor:
             # recording): so a stamp downstream waits for B's end, not only for its start.
             d_x, grads, point_grads, dy = done
             d_vars = [(v, g) for (v, _), g in zip(d_vars, grads)]
-            how, state = self._w_state.get((s, m), (None, None))
-            if how == 'split':
-                self._w_state[(s, m)] = (how, (state[0], point_grads))
-            elif how == 'recompute':
-                self._w_state[(s, m)] = (how, dy)
+            if w_how is not None:
+                state = {'split': (w_fns, point_grads), 'recompute': dy, 'done': None}[w_how]
+                self._w_state[(s, m)] = (w_how, state)
             done += (self.sums.AddAll(d_vars),)
         self._Done(s, done)
         if want_x:
